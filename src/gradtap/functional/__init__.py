@@ -1,0 +1,3 @@
+"""Explicit functional building blocks (filled in by the convolution issue)."""
+
+__all__: list[str] = []
