@@ -1,0 +1,622 @@
+"""The one place gradtap installs hooks: per-call gradient capture and a small hook set.
+
+How a call is captured, without changing the autograd graph or any gradient:
+
+* The forward pre-hook notes, for every tensor argument that requires grad, the graph edge it
+  flows back along (its ``grad_fn`` and output number, or its gradient accumulator if it is a
+  leaf), and the autograd sequence number, so nodes created by this call can be told apart.
+* The forward hook walks back from the outputs through the nodes created during the call. A
+  node with an edge into an argument's edge, or into the ``AccumulateGrad`` of a parameter
+  under the module, gets one post-hook; so do the nodes that produced the outputs.
+* In backward those node hooks see exactly "the gradient this call sent to that input or
+  parameter" and "the gradient w.r.t. the output as produced", even when an in-place op later
+  rewrote the output, when the module is itself in place, or when the module is called twice.
+  A call's record is finished when all its hooked nodes ran, or at the end of the backward.
+
+Nothing is written onto modules or parameters, and removing the tap leaves no hook behind.
+Node hooks already attached to a recorded graph check an ``enabled`` flag, because they can
+still fire after removal while that graph is alive.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.hooks import RemovableHandle
+
+from gradtap._types import KeepLiteral, Selector
+from gradtap.record import GradRecord, flatten_tensors, map_tensors
+from gradtap.select import select_modules
+
+__all__ = ["HookSet", "Tap", "legacy_backward_grads", "tap"]
+
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
+_graph_task_id = torch._C._current_graph_task_id
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+_INPUT, _PARAM = 0, 1
+
+RecordCallback = Callable[[GradRecord], None]
+ForwardCallback = Callable[[str, nn.Module, dict[str, Tensor], dict[str, Tensor]], None]
+RewriteSlot = Callable[[str, str, Tensor], "Tensor | None"]
+RewriteParam = Callable[[str, int, str, Tensor], "Tensor | None"]
+
+
+class HookSet:
+    """Handles of hooks that are not tied to a module call; removed together.
+
+    Every hook added through a ``HookSet`` checks ``enabled`` first, so a hook that outlives
+    :meth:`remove` (for example on a graph still alive) does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._handles: list[RemovableHandle] = []
+        self._params: list[Tensor] = []
+
+    def post_accumulate_grad(self, param: Tensor, fn: Callable[[Tensor], None]) -> None:
+        """Run ``fn(param)`` after ``param.grad`` was accumulated in a backward."""
+
+        def hook(p: Tensor) -> None:
+            if self.enabled:
+                fn(p)
+
+        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._params.append(param)
+
+    def optimizer_step_pre(self, optimizer: torch.optim.Optimizer, fn: Callable[..., None]) -> None:
+        """Run ``fn(optimizer, args, kwargs)`` right before ``optimizer.step()``."""
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self.enabled:
+                fn(opt, args, kwargs)
+
+        self._handles.append(optimizer.register_step_pre_hook(hook))
+
+    def add(self, handle: RemovableHandle) -> None:
+        """Adopt a handle registered elsewhere in this module."""
+        self._handles.append(handle)
+
+    def remove(self) -> None:
+        """Remove every hook; safe to call more than once."""
+        self.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for p in self._params:
+            # register_post_accumulate_grad_hook leaves an empty dict behind; restore None.
+            if not p._post_accumulate_grad_hooks:
+                p._post_accumulate_grad_hooks = None
+        self._params.clear()
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class _ModuleInfo:
+    """What a tap needs to know about one selected module, resolved once."""
+
+    __slots__ = ("name", "type_name", "param_names", "param_by_id", "positional", "varargs",
+                 "clone_inputs", "calls")
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.type_name = type(module).__name__
+        named = list(module.named_parameters())
+        self.param_names = [n for n, _ in named]
+        self.param_by_id = {id(p): n for n, p in named}
+        self.positional, self.varargs = _argument_names(module)
+        # An in-place module overwrites its input: a kept input must be copied before the call.
+        self.clone_inputs = bool(getattr(module, "inplace", False))
+        self.calls = 0
+
+    def arg_name(self, index: int) -> str:
+        if index < len(self.positional):
+            return self.positional[index]
+        return f"{self.varargs or 'args'}.{index - len(self.positional)}"
+
+
+def _argument_names(module: nn.Module) -> tuple[list[str], str | None]:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return [], "args"
+    positional, varargs = [], None
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            varargs = p.name
+    return positional, varargs
+
+
+class _Call:
+    """Mutable state of one module call until its record is finished."""
+
+    __slots__ = ("info", "index", "grad_inputs", "grad_outputs", "param_grads", "inputs",
+                 "outputs", "input_edges", "start", "expected", "remaining", "touched",
+                 "last_fire", "out_versions", "notes", "fwd_inputs")
+
+    def __init__(self, info: _ModuleInfo, index: int) -> None:
+        self.info = info
+        self.index = index
+        self.grad_inputs: dict[str, Tensor | None] = {}
+        self.grad_outputs: dict[str, Tensor | None] = {}
+        self.param_grads: dict[str, Tensor | None] = dict.fromkeys(info.param_names)
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
+        self.input_edges: dict[tuple[Any, int], str] = {}
+        self.start = 0
+        self.expected = 0
+        self.remaining = 0
+        self.touched = False
+        self.last_fire = 0
+        self.out_versions: list[tuple[str, weakref.ref[Tensor], int]] = []
+        self.notes: list[str] = []
+        self.fwd_inputs: dict[str, Tensor] = {}
+
+
+class Tap:
+    """Live capture of per-call gradient records; see :func:`tap`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        select: Selector = "*",
+        keep: Iterable[KeepLiteral] = (),
+        to: torch.device | str | None = None,
+        *,
+        on_record: RecordCallback | None = None,
+        store: bool = True,
+        on_forward: ForwardCallback | None = None,
+        rewrite_grad_output: RewriteSlot | None = None,
+        rewrite_grad_input: RewriteSlot | None = None,
+        rewrite_param_grad: RewriteParam | None = None,
+    ) -> None:
+        keep = (keep,) if isinstance(keep, str) else tuple(keep)
+        unknown = sorted(set(keep) - {"inputs", "outputs"})
+        if unknown:
+            raise ValueError(f"keep= accepts 'inputs' and 'outputs'; got {unknown}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"tap() needs an nn.Module; got {type(model).__name__}")
+        self.records: list[GradRecord] = []
+        self._keep_inputs = "inputs" in keep
+        self._keep_outputs = "outputs" in keep
+        self._to = torch.device(to) if to is not None else None
+        self._on_record = on_record
+        self._store = store
+        self._on_forward = on_forward
+        self._rewrite_out = rewrite_grad_output
+        self._rewrite_in = rewrite_grad_input
+        self._rewrite_param = rewrite_param_grad
+        self._enabled = True
+        self._hooks = HookSet()
+        self._touched: list[_Call] = []
+        self._queued_task: int | None = None
+        self._fires = itertools.count()
+        self._infos: list[_ModuleInfo] = []
+        self.modules = select_modules(model, select)
+        try:
+            for name, module in self.modules:
+                self._attach(name, module)
+        except BaseException:
+            self.remove()
+            raise
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """Qualified names of the tapped modules, in ``named_modules()`` order."""
+        return [name for name, _ in self.modules]
+
+    def find(self, name: str) -> list[GradRecord]:
+        """Return the records of module ``name``, one per call, in call order."""
+        if name not in self.names:
+            raise KeyError(_unknown_name(name, self.names))
+        return sorted((r for r in self.records if r.module_name == name), key=lambda r: r.call)
+
+    def clear(self) -> None:
+        """Drop the records and restart every module's call count at 0."""
+        self.records = []
+        for info in self._infos:
+            info.calls = 0
+
+    def remove(self) -> None:
+        """Remove every hook; the model is left exactly as it was. Safe to call twice."""
+        self._enabled = False
+        self._hooks.remove()
+
+    def __enter__(self) -> Tap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self._enabled else "removed"
+        return f"<Tap {state}: {len(self.modules)} modules, {len(self.records)} records>"
+
+    # -- forward side -----------------------------------------------------------------------
+
+    def _attach(self, name: str, module: nn.Module) -> None:
+        info = _ModuleInfo(name, module)
+        self._infos.append(info)
+        open_calls: list[_Call | None] = []  # a stack: a module may call itself recursively
+
+        def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+            # Cheapest guards first. Forward calls made while a backward runs are activation
+            # checkpoint recomputations: their graph is only used to refill saved tensors.
+            if not (self._enabled and torch.is_grad_enabled()) or _graph_task_id() != -1:
+                open_calls.append(None)
+                return None
+            call = _Call(info, info.calls)
+            info.calls += 1
+            replaced = self._note_inputs(call, args, kwargs)
+            call.start = _next_sequence_nr()
+            open_calls.append(call)
+            return replaced
+
+        def forward_hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            call = open_calls.pop() if open_calls else None
+            if call is None or output is None:
+                return None
+            return self._note_outputs(call, mod, output)
+
+        self._hooks.add(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        self._hooks.add(
+            module.register_forward_hook(forward_hook, with_kwargs=True, always_call=True)
+        )
+
+    def _note_inputs(self, call: _Call, args: tuple, kwargs: dict) -> tuple | None:
+        info = call.info
+        flat = [(path, t) for i, a in enumerate(args)
+                for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
+        flat += [(path, t) for k, v in kwargs.items()
+                 for path, t in flatten_tensors(v, k, under_prefix=True)]
+        replaced = None
+        if len({id(t) for _, t in flat}) < len(flat):
+            # The same tensor passed twice: give each later occurrence its own alias node so
+            # each argument's gradient can be told apart.
+            seen: set[int] = set()
+
+            def alias_repeat(t: Tensor) -> Tensor:
+                if id(t) in seen and t.requires_grad:
+                    return t.view_as(t)
+                seen.add(id(t))
+                return t
+
+            args, kwargs = map_tensors(args, alias_repeat), map_tensors(kwargs, alias_repeat)
+            replaced = (args, kwargs)
+            flat = [(path, t) for i, a in enumerate(args)
+                    for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
+            flat += [(path, t) for k, v in kwargs.items()
+                     for path, t in flatten_tensors(v, k, under_prefix=True)]
+        if self._on_forward is not None:
+            call.fwd_inputs = dict(flat)
+        for path, t in flat:
+            call.grad_inputs[path] = None
+            if t.requires_grad:
+                if t.grad_fn is not None:
+                    call.input_edges[(t.grad_fn, t.output_nr)] = path
+                else:
+                    edge = get_gradient_edge(t)
+                    call.input_edges[(edge.node, edge.output_nr)] = path
+            if self._keep_inputs:
+                kept = t.detach().clone() if info.clone_inputs else t.detach()
+                call.inputs[path] = kept if self._to is None else kept.to(self._to)
+        return replaced
+
+    def _note_outputs(self, call: _Call, module: nn.Module, output: Any) -> Any:
+        start = call.start
+        outs = flatten_tensors(output, "output")
+        # An output that was not made by this call (an input or parameter returned as is) gets
+        # an alias node, so "via this call" has a node to hang on.
+        if any(_passes_through(t, start) for _, t in outs):
+            output = map_tensors(output, lambda t: t.view_as(t) if _passes_through(t, start) else t)
+            outs = flatten_tensors(output, "output")
+            returned = output
+        else:
+            returned = None
+
+        out_nodes: dict[Any, list[tuple[int, str]]] = {}
+        for path, t in outs:
+            call.grad_outputs[path] = None
+            if t.requires_grad and t.grad_fn is not None:
+                out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
+                call.out_versions.append((path, weakref.ref(t), t._version))
+            if self._keep_outputs:
+                kept = t.detach()
+                call.outputs[path] = kept if self._to is None else kept.to(self._to)
+
+        edges = self._walk(call, out_nodes)
+        hooked = self._install_node_hooks(call, out_nodes, edges)
+        call.expected = call.remaining = hooked
+        call.input_edges = {}  # the walk is done; do not keep graph nodes alive through it
+
+        if self._on_forward is not None:
+            self._on_forward(call.info.name, module, call.fwd_inputs, dict(outs))
+            call.fwd_inputs = {}
+        return returned
+
+    def _walk(self, call: _Call, out_nodes: dict[Any, list]) -> dict[Any, list[tuple[int, int, str]]]:
+        """Find the nodes of this call with edges into its inputs or its parameters."""
+        start, input_edges, param_by_id = call.start, call.input_edges, call.info.param_by_id
+        stack = [n for n in out_nodes if n._sequence_nr() >= start and type(n) is not _AccumulateGrad]
+        seen = set(stack)
+        found: dict[Any, list[tuple[int, int, str]]] = {}
+        while stack:
+            node = stack.pop()
+            for i, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                key = input_edges.get((nxt, nr))
+                if key is not None:
+                    found.setdefault(node, []).append((i, _INPUT, key))
+                elif type(nxt) is _AccumulateGrad:
+                    name = param_by_id.get(id(nxt.variable))
+                    if name is not None:
+                        found.setdefault(node, []).append((i, _PARAM, name))
+                elif nxt not in seen and nxt._sequence_nr() >= start:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return found
+
+    def _install_node_hooks(self, call: _Call, out_nodes: dict, edges: dict) -> int:
+        rewrite_outputs = self._rewrite_out is not None
+        count = 0
+        if rewrite_outputs:
+            for node, entries in out_nodes.items():
+                node.register_prehook(self._output_prehook(call, entries))
+                count += 1
+        for node in set(edges) | (set() if rewrite_outputs else set(out_nodes)):
+            out_entries = () if rewrite_outputs else tuple(out_nodes.get(node, ()))
+            node.register_hook(self._node_posthook(call, out_entries, tuple(edges.get(node, ()))))
+            count += 1
+        return count
+
+    # -- backward side ----------------------------------------------------------------------
+
+    def _output_prehook(self, call: _Call, entries: list[tuple[int, str]]) -> Callable:
+        tap_ref = weakref.ref(self)
+
+        def prehook(grad_outputs: tuple) -> tuple | None:
+            tap = tap_ref()
+            if tap is None or not tap._enabled:
+                return None
+            tap._touch(call)
+            new = list(grad_outputs)
+            for nr, path in entries:
+                g = grad_outputs[nr]
+                if g is not None:
+                    r = tap._rewrite_out(call.info.name, path, g)  # type: ignore[misc]
+                    if r is not None:
+                        _check_like(r, g, f"rewrite of grad_output {path!r} of {call.info.name!r}")
+                        new[nr] = g = r
+                call.grad_outputs[path] = _accumulate(call.grad_outputs[path], g)
+            tap._fired(call)
+            return tuple(new)
+
+        return prehook
+
+    def _node_posthook(self, call: _Call, out_entries: tuple, edge_entries: tuple) -> Callable:
+        tap_ref = weakref.ref(self)
+        name = call.info.name
+
+        def posthook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+            tap = tap_ref()
+            if tap is None or not tap._enabled:
+                return None
+            tap._touch(call)
+            for nr, path in out_entries:
+                call.grad_outputs[path] = _accumulate(call.grad_outputs[path], grad_outputs[nr])
+            new = None
+            for i, kind, key in edge_entries:
+                g = grad_inputs[i]
+                if g is None:
+                    continue
+                if kind == _INPUT:
+                    if tap._rewrite_in is not None:
+                        r = tap._rewrite_in(name, key, g)
+                        if r is not None:
+                            _check_like(r, g, f"rewrite of grad_input {key!r} of {name!r}")
+                            new = new or list(grad_inputs)
+                            new[i] = g = r
+                    call.grad_inputs[key] = _accumulate(call.grad_inputs[key], g)
+                else:
+                    if tap._rewrite_param is not None:
+                        r = tap._rewrite_param(name, call.index, key, g)
+                        if r is not None:
+                            _check_like(r, g, f"rewrite of parameter {key!r} of {name!r}")
+                            new = new or list(grad_inputs)
+                            new[i] = g = r
+                    call.param_grads[key] = _accumulate(call.param_grads[key], g)
+            tap._fired(call)
+            return tuple(new) if new is not None else None
+
+        return posthook
+
+    def _touch(self, call: _Call) -> None:
+        if call.touched:
+            return
+        call.touched = True
+        self._touched.append(call)
+        task = _graph_task_id()
+        if task != self._queued_task:
+            # Calls whose hooked nodes do not all run in this backward (an unused output, a
+            # branch cut by the loss) are finished when the backward ends.
+            self._queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _fired(self, call: _Call) -> None:
+        call.last_fire = next(self._fires)
+        call.remaining -= 1
+        if call.remaining <= 0:
+            self._finish(call)
+
+    def _end_of_backward(self) -> None:
+        self._queued_task = None
+        pending = sorted((c for c in self._touched if c.touched), key=lambda c: c.last_fire)
+        self._touched = []
+        for call in pending:
+            self._finish(call)
+
+    def _finish(self, call: _Call) -> None:
+        if not call.touched:
+            return
+        notes = list(call.notes)
+        for path, ref, version in call.out_versions:
+            t = ref()
+            if t is not None and t._version != version and t._base is not None:
+                notes.append(
+                    f"output {path!r} is a view that was modified in place after the call; "
+                    "gradient that reached it through that change bypassed this record"
+                )
+        to = self._to
+        rec = GradRecord(
+            module_name=call.info.name,
+            module_type=call.info.type_name,
+            call=call.index,
+            grad_inputs=_moved(call.grad_inputs, to),
+            grad_outputs=_moved(call.grad_outputs, to),
+            param_grads=_moved(call.param_grads, to),
+            inputs=call.inputs,
+            outputs=call.outputs,
+            notes=tuple(notes),
+        )
+        # Ready for another backward through the same graph (retain_graph=True).
+        call.touched = False
+        call.remaining = call.expected
+        call.grad_inputs = dict.fromkeys(call.grad_inputs)
+        call.grad_outputs = dict.fromkeys(call.grad_outputs)
+        call.param_grads = dict.fromkeys(call.param_grads)
+        if self._store:
+            self.records.append(rec)
+        if self._on_record is not None:
+            self._on_record(rec)
+
+
+def tap(
+    model: nn.Module,
+    select: Selector = "*",
+    keep: Iterable[KeepLiteral] = (),
+    to: torch.device | str | None = None,
+    *,
+    on_record: RecordCallback | None = None,
+    store: bool = True,
+    on_forward: ForwardCallback | None = None,
+    rewrite_grad_output: RewriteSlot | None = None,
+    rewrite_grad_input: RewriteSlot | None = None,
+    rewrite_param_grad: RewriteParam | None = None,
+) -> Tap:
+    """Record, per module call, every gradient its backward touched, under readable names.
+
+    Gradients are always kept; forward tensors only when ``keep`` asks. The graph and every
+    gradient are left unchanged (bit for bit), in-place ops before or after the module are
+    fine, and activation-checkpoint recomputations add no records.
+
+    Args:
+        model: the model to tap.
+        select: which modules (see :mod:`gradtap.select`); ``"*"`` is every submodule.
+        keep: ``"inputs"`` and/or ``"outputs"`` to keep forward tensors in the records.
+        to: a device to move everything the records hold to (e.g. ``"cpu"``).
+        on_record: called with each record as it completes (possibly inside backward).
+        store: keep records in ``.records``; ``False`` only passes them to ``on_record``.
+        on_forward: ``(name, module, inputs, outputs)`` after each tapped forward call.
+        rewrite_grad_output: ``(name, path, grad) -> grad | None``: replace dL/d(output) as it
+            enters the module's backward.
+        rewrite_grad_input: ``(name, key, grad) -> grad | None``: replace what the call sends
+            to an input.
+        rewrite_param_grad: ``(name, call, param, grad) -> grad | None``: replace the call's
+            contribution to a parameter before accumulation.
+
+    Returns:
+        A :class:`Tap`; use it as a context manager or call ``.remove()``.
+
+    Raises:
+        SelectionError: ``select`` matched no module.
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        >>> with gt.tap(net) as t:
+        ...     net(torch.randn(2, 3)).sum().backward()
+        >>> [(r.module_name, sorted(r.param_grads)) for r in t.records]
+        [('2', ['bias', 'weight']), ('1', []), ('0', ['bias', 'weight'])]
+    """
+    return Tap(model, select, keep, to, on_record=on_record, store=store, on_forward=on_forward,
+               rewrite_grad_output=rewrite_grad_output, rewrite_grad_input=rewrite_grad_input,
+               rewrite_param_grad=rewrite_param_grad)
+
+
+def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]) -> tuple[HookSet, dict[str, list[tuple]]]:
+    """Install the legacy ``register_backward_hook`` on ``modules`` to see its ``grad_input``.
+
+    Used by ``explain(legacy=True)`` to tell users which index each slot had in the old API.
+    Returns the hook set (remove it when done) and ``{name: [grad_input tuple per firing]}``.
+    """
+    import warnings
+
+    seen: dict[str, list[tuple]] = {}
+    hooks = HookSet()
+    for name, module in modules:
+        seen[name] = []
+
+        def hook(mod: nn.Module, grad_input: tuple, grad_output: tuple, _name: str = name) -> None:
+            if hooks.enabled:
+                seen[_name].append(tuple(g.detach() if g is not None else None for g in grad_input))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hooks.add(module.register_backward_hook(hook))
+    return hooks, seen
+
+
+def _passes_through(t: Tensor, start: int) -> bool:
+    if not t.requires_grad:
+        return False
+    fn = t.grad_fn
+    return fn is None or fn._sequence_nr() < start
+
+
+def _accumulate(current: Tensor | None, grad: Tensor | None) -> Tensor | None:
+    if grad is None:
+        return current
+    # Keep the very tensor autograd passed (not a detached alias): holding it stops autograd
+    # from stealing its storage into .grad and accumulating into it in place later.
+    if grad.requires_grad:
+        grad = grad.detach()
+    return grad if current is None else current + grad
+
+
+def _moved(slots: dict[str, Tensor | None], to: torch.device | None) -> dict[str, Tensor | None]:
+    if to is None:
+        return dict(slots)
+    return {k: (v.to(to) if v is not None else None) for k, v in slots.items()}
+
+
+def _check_like(new: Any, old: Tensor, what: str) -> None:
+    if not isinstance(new, Tensor):
+        raise TypeError(f"{what} returned {type(new).__name__}; expected a Tensor or None")
+    if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+        raise ValueError(
+            f"{what} returned shape {tuple(new.shape)}, {new.dtype}, {new.device}; expected "
+            f"shape {tuple(old.shape)}, {old.dtype}, {old.device} like the gradient it replaces"
+        )
+
+
+def _unknown_name(name: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=5)
+    hint = f"; closest tapped modules: {', '.join(close)}" if close else ""
+    return f"{name!r} is not a tapped module{hint}"

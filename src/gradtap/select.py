@@ -1,0 +1,172 @@
+"""Turn a user's selector into (qualified name, module) or (qualified name, parameter) pairs.
+
+Accepted selectors (everywhere a ``select=`` appears):
+
+* a glob on qualified names, matched with :func:`fnmatch.fnmatchcase` (``*`` crosses dots):
+  ``"features.*"``, ``"layer?.*.conv*"``; ``"*"`` is every submodule, and the root module
+  (whose name is ``""``) is selected only by ``""``;
+* a list or tuple of globs (each must match something, so a typo cannot pass silently);
+* a module class or a tuple of module classes (``isinstance``);
+* a predicate ``(qualified_name, module) -> bool``.
+
+A selector that matches nothing raises :class:`~gradtap.errors.SelectionError` naming the
+closest real names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from torch import nn
+
+from gradtap._types import Selector
+from gradtap.errors import SelectionError
+
+__all__ = ["select_modules", "select_parameters"]
+
+T = TypeVar("T")
+
+
+def select_modules(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
+    """Return the ``(qualified_name, module)`` pairs of ``model`` that ``selector`` picks.
+
+    Args:
+        model: the model whose ``named_modules()`` are searched.
+        selector: a glob, a list of globs, a module class or tuple of classes, or a predicate
+            ``(name, module) -> bool``.
+
+    Returns:
+        The selected pairs, in ``named_modules()`` order, each module once.
+
+    Raises:
+        SelectionError: nothing matched (the message lists the closest names).
+        TypeError: ``selector`` is not one of the accepted kinds.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [name for name, _ in select_modules(net, "*")]
+        ['0', '1', '2']
+        >>> [name for name, _ in select_modules(net, nn.Linear)]
+        ['0', '2']
+    """
+    named = list(model.named_modules())
+    return _select(named, selector, what="module", type_of=lambda m: m)
+
+
+def select_parameters(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Parameter]]:
+    """Return the ``(qualified_name, parameter)`` pairs of ``model`` that ``selector`` picks.
+
+    Globs match names from ``named_parameters()`` (``"*"`` is every parameter). A module class
+    selects the parameters owned directly by modules of that class; a predicate receives
+    ``(name, parameter)``.
+
+    Raises:
+        SelectionError: nothing matched (the message lists the closest names).
+        TypeError: ``selector`` is not one of the accepted kinds.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [name for name, _ in select_parameters(net, "*.bias")]
+        ['0.bias', '2.bias']
+    """
+    named = list(model.named_parameters())
+    if isinstance(selector, type) or (
+        isinstance(selector, tuple) and selector and all(isinstance(s, type) for s in selector)
+    ):
+        owners = {
+            f"{mod_name}.{p_name}" if mod_name else p_name: module
+            for mod_name, module in model.named_modules()
+            for p_name, _ in module.named_parameters(recurse=False)
+        }
+        return _select(named, selector, what="parameter", type_of=lambda n: owners.get(n))
+    return _select(named, selector, what="parameter", type_of=None)
+
+
+def _select(
+    named: list[tuple[str, T]],
+    selector: Selector,
+    *,
+    what: str,
+    type_of: Callable[..., object] | None,
+) -> list[tuple[str, T]]:
+    names = [name for name, _ in named]
+    if isinstance(selector, str):
+        return _by_globs(named, [selector], what)
+    if isinstance(selector, type) or (
+        isinstance(selector, tuple) and selector and all(isinstance(s, type) for s in selector)
+    ):
+        classes = selector if isinstance(selector, tuple) else (selector,)
+        if type_of is None:
+            raise TypeError(f"a module class selects modules, not {what}s")
+        if what == "module":
+            picked = [(n, o) for n, o in named if n and isinstance(o, classes)]
+        else:
+            picked = [(n, o) for n, o in named if isinstance(type_of(n), classes)]
+        if not picked:
+            present = sorted({type(o).__name__ for _, o in named}) if what == "module" else []
+            wanted = ", ".join(c.__name__ for c in classes)
+            hint = f"; module types present: {', '.join(present)}" if present else ""
+            raise SelectionError(f"no {what} of type {wanted} in the model{hint}")
+        return picked
+    if isinstance(selector, Sequence) and all(isinstance(s, str) for s in selector):
+        if not selector:
+            raise SelectionError(f"empty list of globs selects no {what}")
+        return _by_globs(named, list(selector), what)
+    if callable(selector):
+        picked = [(n, o) for n, o in named if selector(n, o)]
+        if not picked:
+            raise SelectionError(
+                f"the predicate {getattr(selector, '__name__', selector)!r} selected no {what} "
+                f"among {len(names)} {what}s ({_preview(names)})"
+            )
+        return picked
+    raise TypeError(
+        f"select= must be a glob string, a list of globs, a module class or tuple of classes, "
+        f"or a callable (name, {what}) -> bool; got {type(selector).__name__}"
+    )
+
+
+def _by_globs(named: list[tuple[str, T]], globs: list[str], what: str) -> list[tuple[str, T]]:
+    picked: dict[str, T] = {}
+    for glob in globs:
+        if not isinstance(glob, str):
+            raise TypeError(f"globs must be strings; got {type(glob).__name__}")
+        hits = [(n, o) for n, o in named if _glob_match(n, glob)]
+        if not hits:
+            raise SelectionError(_no_match_message(glob, [n for n, _ in named], what))
+        for n, o in hits:
+            picked.setdefault(n, o)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    return sorted(picked.items(), key=lambda item: order[item[0]])
+
+
+def _glob_match(name: str, glob: str) -> bool:
+    # The root module's name is "", which fnmatch("*") would match: only "" selects it.
+    if name == "":
+        return glob == ""
+    return fnmatch.fnmatchcase(name, glob)
+
+
+def _no_match_message(glob: str, names: Iterable[str], what: str) -> str:
+    real = [n for n in names if n]
+    close = difflib.get_close_matches(glob, real, n=5, cutoff=0.5)
+    if not close:
+        # Globs like "layer9.*" are far from every name by edit distance; their literal prefix
+        # is a better key.
+        stem = glob.split("*")[0].split("?")[0].split("[")[0]
+        close = [n for n in real if stem and n.startswith(stem.rsplit(".", 1)[0])][:5]
+    hint = f"closest {what} names: {', '.join(close)}" if close else f"{what} names: {_preview(real)}"
+    if not real and what == "module":
+        hint = "the model has no submodules; the root module is selected by select=''"
+    return f"select={glob!r} matches no {what}; {hint}"
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = [n for n in names if n][:limit]
+    more = len([n for n in names if n]) - len(shown)
+    return ", ".join(shown) + (f", ... ({more} more)" if more > 0 else "") if shown else "(none)"
