@@ -59,6 +59,7 @@ class HookSet:
         self.enabled = True
         self._handles: list[RemovableHandle] = []
         self._params: list[Tensor] = []
+        self._cleanups: list[Callable[[], None]] = []
 
     def post_accumulate_grad(self, param: Tensor, fn: Callable[[Tensor], None]) -> None:
         """Run ``fn(param)`` after ``param.grad`` was accumulated in a backward."""
@@ -83,6 +84,10 @@ class HookSet:
         """Adopt a handle registered elsewhere in this module."""
         self._handles.append(handle)
 
+    def add_cleanup(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on :meth:`remove`, after the handles are removed."""
+        self._cleanups.append(fn)
+
     def remove(self) -> None:
         """Remove every hook; safe to call more than once."""
         self.enabled = False
@@ -94,6 +99,9 @@ class HookSet:
             if not p._post_accumulate_grad_hooks:
                 p._post_accumulate_grad_hooks = None
         self._params.clear()
+        for fn in self._cleanups:
+            fn()
+        self._cleanups.clear()
 
     def __enter__(self) -> HookSet:
         return self
@@ -575,9 +583,12 @@ def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]) -> tuple[Hoo
             if hooks.enabled:
                 seen[_name].append(tuple(g.detach() if g is not None else None for g in grad_input))
 
+        previous = module._is_full_backward_hook
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hooks.add(module.register_backward_hook(hook))
+        # register_backward_hook flips this flag; put it back so no trace is left.
+        hooks.add_cleanup(lambda m=module, v=previous: setattr(m, "_is_full_backward_hook", v))
     return hooks, seen
 
 

@@ -78,7 +78,7 @@ class GradRecord:
 
 def describe_row(role: str, key: str, grad: Tensor | None) -> list[str]:
     """One row of :meth:`GradRecord.describe` (also used by ``explain``)."""
-    slot = {"output": f"d{key}", "input": f"d{key}", "parameter": f"d{key}"}[role]
+    slot = key
     if grad is None:
         return [slot, role, "-", "-", "-", meaning(role, key, None)]
     norm = float(torch.linalg.vector_norm(grad.detach().double()))

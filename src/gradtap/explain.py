@@ -1,0 +1,183 @@
+"""explain: answer "what are grad_input and grad_output of this layer?" with a table."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradtap._types import Selector
+from gradtap.capture import legacy_backward_grads, tap
+from gradtap.record import GradRecord, describe_row, flatten_tensors, format_table
+from gradtap.select import select_modules
+
+__all__ = ["Explanation", "explain"]
+
+_HEADER = ["slot", "role", "shape", "dtype", "norm", "meaning"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The result of :func:`explain`: records plus, with ``legacy=True``, legacy indices.
+
+    Attributes:
+        records: one :class:`GradRecord` per module call, in the order backward finished them.
+        legacy: ``{(module_name, call): {slot_key: "i" | "i (transposed)" | "-"}}`` where ``i``
+            is the index of that slot in the legacy ``register_backward_hook``'s ``grad_input``;
+            empty unless ``legacy=True``.
+    """
+
+    records: list[GradRecord]
+    legacy: dict[tuple[str, int], dict[str, str]] = field(default_factory=dict)
+
+    def table(self, record: GradRecord) -> list[str]:
+        """Return the table lines of one record (header first)."""
+        header = list(_HEADER)
+        rows = []
+        legacy = self.legacy.get((record.module_name, record.call)) if self.legacy else None
+        for role, key, grad in record.slots():
+            row = describe_row(role, key, grad)
+            if legacy is not None:
+                row.insert(-1, legacy.get(f"{role}:{key}", "-"))
+            rows.append(row)
+        if legacy is not None:
+            header.insert(-1, "legacy")
+        return format_table(header, rows)
+
+    def __str__(self) -> str:
+        blocks = []
+        for rec in self.records:
+            title = f"{rec.module_type} {rec.module_name or '(root)'!r} call {rec.call}"
+            lines = [title, *self.table(rec), *(f"note: {n}" for n in rec.notes)]
+            blocks.append("\n".join(lines))
+        legend = (
+            "Each row is one gradient the backward of that call touched: 'output' rows are "
+            "dL/d(output) as the module produced it, 'input' rows the gradient this call sent "
+            "to that forward argument, 'parameter' rows this call's share of p.grad."
+        )
+        if self.legacy:
+            legend += (" 'legacy' is the index of that gradient in grad_input of the legacy "
+                       "module.register_backward_hook ('-': not there).")
+        return "\n\n".join([*blocks, legend])
+
+
+def explain(
+    model: nn.Module,
+    inputs: Tensor | tuple[Any, ...] | Mapping[str, Any],
+    loss: Callable[[Any], Tensor] | None = None,
+    *,
+    select: Selector = "*",
+    legacy: bool = False,
+) -> Explanation:
+    """Run one forward and backward and explain every gradient each selected layer saw.
+
+    The model's parameters' ``.grad`` and its buffers (e.g. BatchNorm running statistics) are
+    restored afterwards, so explaining a model in the middle of training changes nothing.
+
+    Args:
+        model: the model.
+        inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+        loss: ``loss(output) -> scalar``; by default the sum of every floating tensor in the output.
+        select: which modules to explain (default every submodule).
+        legacy: also show each slot's index in ``grad_input`` of the legacy
+            ``register_backward_hook``, found by matching values.
+
+    Returns:
+        An :class:`Explanation`; ``print()`` it for the table.
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+        >>> ex = gt.explain(net, torch.randn(2, 1, 4, 4), legacy=True)
+        >>> ex.legacy[("2", 0)]["parameter:weight"]
+        '2 (transposed)'
+    """
+    selected = select_modules(model, select)
+    saved_grads = {p: p.grad for p in model.parameters()}
+    for p in saved_grads:
+        p.grad = None  # backward would otherwise accumulate into the user's tensors in place
+    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    legacy_hooks, legacy_seen = legacy_backward_grads(selected) if legacy else (None, {})
+    try:
+        with tap(model, select=select) as t, \
+                warnings.catch_warnings():
+            # The legacy hook warns that it is deprecated; that is why we are here.
+            warnings.filterwarnings("ignore", message=".*non-full backward hook.*")
+            output = _call(model, inputs)
+            value = loss(output) if loss is not None else _sum_outputs(output)
+            if not isinstance(value, Tensor) or value.numel() != 1:
+                raise ValueError(f"loss must return a scalar tensor; got {_describe(value)}")
+            if not value.requires_grad:
+                raise ValueError("the loss does not require grad: no parameter or input of the "
+                                 "model requires grad, or the forward ran under no_grad")
+            value.backward()
+        records = list(t.records)
+    finally:
+        if legacy_hooks is not None:
+            legacy_hooks.remove()
+        for p, g in saved_grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved_buffers:
+                    b.copy_(saved_buffers[name])
+    legacy_map = {}
+    if legacy:
+        legacy_map = {(r.module_name, r.call): _match_legacy(r, legacy_seen.get(r.module_name, []))
+                      for r in records}
+    return Explanation(records=records, legacy=legacy_map)
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Tensor):
+        return model(inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    raise TypeError(
+        f"inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments; got {type(inputs).__name__}"
+    )
+
+
+def _sum_outputs(output: Any) -> Tensor:
+    leaves = [t for _, t in flatten_tensors(output, "output") if t.is_floating_point()]
+    if not leaves:
+        raise ValueError("the model's output holds no floating-point tensor; pass loss=")
+    return sum((t.sum() for t in leaves[1:]), leaves[0].sum())
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _match_legacy(record: GradRecord, firings: list[tuple]) -> dict[str, str]:
+    """Find, by value, the index each slot had in the legacy hook's grad_input."""
+    found: dict[str, str] = {}
+    for role, key, grad in record.slots():
+        if role == "output" or grad is None:
+            continue
+        for grad_input in firings:
+            index = _index_of(grad, grad_input)
+            if index is not None:
+                found[f"{role}:{key}"] = index
+                break
+    return found
+
+
+def _index_of(grad: Tensor, candidates: tuple) -> str | None:
+    for i, c in enumerate(candidates):
+        if c is None:
+            continue
+        if c.shape == grad.shape and torch.allclose(c, grad, rtol=1e-5, atol=1e-7):
+            return str(i)
+        if c.dim() == 2 and c.shape == grad.shape[::-1] and torch.allclose(c.T, grad, rtol=1e-5, atol=1e-7):
+            return f"{i} (transposed)"
+    return None

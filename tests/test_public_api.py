@@ -1,0 +1,36 @@
+"""The public surface: __all__ is sorted, holds the names DESIGN.md promises for landed
+capabilities, and every public object has a docstring."""
+
+from __future__ import annotations
+
+import inspect
+
+import gradtap as gt
+
+# Names DESIGN.md's public contract fixes, per capability that has landed. Adding a
+# capability means adding its names here, deliberately.
+CONTRACT = {
+    "records": {"tap", "GradRecord", "explain", "SelectionError", "GradtapError"},
+    "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},
+}
+
+
+def test_all_is_sorted_and_resolvable():
+    assert list(gt.__all__) == sorted(gt.__all__)
+    for name in gt.__all__:
+        assert hasattr(gt, name), name
+
+
+def test_contract_names_are_exported():
+    exported = set(gt.__all__)
+    for capability, names in CONTRACT.items():
+        assert names <= exported, f"{capability}: missing {sorted(names - exported)}"
+
+
+def test_every_public_object_has_a_docstring():
+    missing = [n for n in gt.__all__ if not inspect.getdoc(getattr(gt, n))]
+    assert not missing, missing
+
+
+def test_functional_surface():
+    assert {"conv", "conv_input_grad", "conv_weight_grad"} <= set(gt.functional.__all__)
