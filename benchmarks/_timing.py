@@ -1,0 +1,41 @@
+"""Shared timing for the benchmarks: interleaved rounds, median per-step time, markdown tables.
+
+Variants are timed in interleaved rounds (A B C A B C ...) so that drift on a shared machine
+hits every variant alike; each round times ``steps`` consecutive steps after a warmup.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["markdown_table", "time_variants"]
+
+
+def time_variants(
+    variants: dict[str, Callable[[], object]],
+    *,
+    steps: int,
+    rounds: int,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Return the median seconds per step of each variant (``None`` value: it raised)."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Format rows as a markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
