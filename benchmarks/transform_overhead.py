@@ -1,0 +1,104 @@
+"""Overhead of gradient transforms: normalize + clip_norm on every conv weight vs a plain step.
+
+One command, every variant side by side in one run (rounds interleave the variants so that
+machine noise hits them alike). A step is forward + backward + ``SGD.step()`` +
+``zero_grad()`` of ``small_cnn`` (benchmarks/_models.py) on one batch; each variant has its
+own copy of the model, from the same initialization. The table reports the median time per
+step over rounds and its ratio to the plain step. Goal: at most 1.10x on CPU.
+
+    python benchmarks/transform_overhead.py            # full run
+    python benchmarks/transform_overhead.py --quick    # seconds, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gradtap as gt  # noqa: E402
+from _models import small_cnn  # noqa: E402
+
+WHENS = ("accumulate", "backward", "step")
+
+
+def _conv_weights(model: nn.Module) -> tuple[str, ...]:
+    return tuple(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
+
+
+def _make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, when: str | None) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if when is not None:
+        rules = {_conv_weights(model): gt.chain(gt.normalize(beta=0.99), gt.clip_norm(1.0))}
+        gt.transform(model, rules, when=when, optimizer=opt if when == "step" else None)
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def run(batch: int, rounds: int, steps: int, warmup: int) -> list[tuple[str, float, float]]:
+    """Return ``[(variant, median seconds per step, ratio to plain)]``."""
+    base, x, y = small_cnn(batch=batch)
+    variants: dict[str, Callable[[], None]] = {"plain step": _make_step(copy.deepcopy(base), x, y, None)}
+    for when in WHENS:
+        variants[f"normalize+clip_norm, when={when!r}"] = _make_step(copy.deepcopy(base), x, y, when)
+    for step in variants.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        names = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in names:
+            step = variants[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - start) / steps)
+    plain = statistics.median(times["plain step"])
+    return [(name, statistics.median(t), statistics.median(t) / plain) for name, t in times.items()]
+
+
+def table(rows: list[tuple[str, float, float]], header: str) -> str:
+    lines = [header, "", "| variant | ms / step | ratio vs plain |", "|---|---:|---:|"]
+    lines += [f"| {name} | {sec * 1e3:.2f} | {ratio:.3f}x |" for name, sec, ratio in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="gradient-transform overhead on small_cnn")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 64, quick 4)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 15)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per round (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    batch = args.batch or (4 if quick else 64)
+    rounds = args.rounds or (2 if quick else 15)
+    steps = args.steps or (1 if quick else 5)
+    torch.set_num_threads(args.threads)
+    rows = run(batch, rounds, steps, warmup=1 if quick else 3)
+    header = (
+        f"small_cnn, batch {batch}, CPU, {args.threads} thread(s), torch {torch.__version__}, "
+        f"median of {rounds} rounds x {steps} steps; rule: every conv weight -> "
+        "chain(normalize(0.99), clip_norm(1.0))"
+    )
+    print(table(rows, header))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

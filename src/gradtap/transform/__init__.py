@@ -1,0 +1,34 @@
+"""Stateful, composable gradient transforms and the driver that applies them to a model."""
+
+from gradtap.transform.base import Transform, chain, stateless
+from gradtap.transform.driver import TransformHandle, transform
+from gradtap.transform.library import (
+    add_noise,
+    centralize,
+    clip_global_norm,
+    clip_norm,
+    clip_value,
+    ewma,
+    flip,
+    normalize,
+    scale,
+    zero,
+)
+
+__all__ = [
+    "Transform",
+    "TransformHandle",
+    "add_noise",
+    "centralize",
+    "chain",
+    "clip_global_norm",
+    "clip_norm",
+    "clip_value",
+    "ewma",
+    "flip",
+    "normalize",
+    "scale",
+    "stateless",
+    "transform",
+    "zero",
+]

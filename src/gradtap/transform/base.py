@@ -1,0 +1,211 @@
+"""The stateful transform type: ``Transform(init, update)``, ``stateless`` and ``chain``.
+
+A transform is a pair of pure functions on one tensor (optax's shape, applied per tensor):
+
+* ``init(param) -> state`` builds the state for one parameter (or, for activation
+  gradients, for one module output/input slot, from the first gradient seen there);
+* ``update(grad, state, param, **extra) -> (new_grad, new_state)`` returns the transformed
+  gradient and the next state.
+
+Transforms know nothing about modules, names or hooks: :func:`gradtap.transform` does that.
+They never modify ``grad`` in place (they return a new tensor) but may update their own state
+tensors in place. State holds only tensors, numbers, strings, ``None`` and tuples/lists/dicts
+of them, so ``torch.save`` followed by ``torch.load(weights_only=True)`` restores it.
+
+A transform may also offer ``update_many(grads, states, params, **extra) -> (new_grads,
+new_states)`` over every tensor one rule matched (lists, in plan order). The driver uses it
+with ``when="step"``, where all those gradients are known at once. A transform whose
+per-tensor ``update`` cannot be meaningful (``clip_global_norm``) is *group-only*: it can only
+run through ``update_many``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from torch import Tensor
+
+__all__ = ["Transform", "chain", "is_group_only", "stateless"]
+
+#: A transform's state: tensors, numbers, strings, None, and tuples/lists/dicts of them.
+State = Any
+
+# Marker set on the per-tensor ``update`` of group-only transforms (and of chains holding one),
+# so the driver can refuse them before any backward runs.
+_GROUP_ONLY = "_gradtap_group_only"
+
+
+class InitFn(Protocol):
+    """``init(param) -> state``."""
+
+    def __call__(self, param: Tensor, /) -> State: ...
+
+
+class UpdateFn(Protocol):
+    """``update(grad, state, param, **extra) -> (new_grad, new_state)``."""
+
+    def __call__(
+        self, grad: Tensor, state: State, param: Tensor | None, /, **extra: Any
+    ) -> tuple[Tensor, State]: ...
+
+
+class UpdateManyFn(Protocol):
+    """``update_many(grads, states, params, **extra) -> (new_grads, new_states)``."""
+
+    def __call__(
+        self,
+        grads: Sequence[Tensor],
+        states: Sequence[State],
+        params: Sequence[Tensor | None],
+        /,
+        **extra: Any,
+    ) -> tuple[list[Tensor], list[State]]: ...
+
+
+class Transform(NamedTuple):
+    """A stateful gradient transform: ``init(param) -> state`` and ``update``.
+
+    ``update(grad, state, param, **extra)`` returns ``(new_grad, new_state)``. It must not
+    modify ``grad`` in place; it may update its own state tensors in place. Extra context is
+    keyword-only, and transforms ignore keywords they do not use (none is passed by
+    :func:`gradtap.transform` today). For activation gradients there is no parameter:
+    ``init`` receives the first gradient seen at that slot and ``update`` receives
+    ``param=None``.
+
+    Args:
+        init: ``param -> state``. State holds only tensors, numbers and tuples/dicts of them.
+        update: ``(grad, state, param, **extra) -> (new_grad, new_state)``.
+        update_many: optional; the same over every tensor one rule matched (lists in plan
+            order). Used by :func:`gradtap.transform` with ``when="step"`` when present.
+
+    Example:
+        >>> import torch
+        >>> import gradtap as gt
+        >>> halve = gt.Transform(init=lambda p: (), update=lambda g, s, p: (g / 2, s))
+        >>> g, s = halve.update(torch.ones(2), halve.init(torch.zeros(2)), None)
+        >>> g
+        tensor([0.5000, 0.5000])
+    """
+
+    init: InitFn
+    update: UpdateFn
+    update_many: UpdateManyFn | None = None
+
+
+def is_group_only(t: Transform) -> bool:
+    """Return True when ``t`` needs every tensor of its rule at once (``update_many`` only)."""
+    return bool(getattr(t.update, _GROUP_ONLY, False))
+
+
+def _mark_group_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _GROUP_ONLY, True)
+    return fn
+
+
+def _empty_init(param: Tensor) -> tuple[()]:
+    return ()
+
+
+def stateless(fn: Callable[[Tensor, Tensor | None], Tensor]) -> Transform:
+    """Make a transform without state from ``fn(grad, param) -> new_grad``.
+
+    The state is the empty tuple ``()``. ``fn`` must return a new tensor, not modify ``grad``.
+
+    Args:
+        fn: ``(grad, param) -> new_grad``; ``param`` is None for activation gradients.
+
+    Returns:
+        A :class:`Transform`.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+
+    Example:
+        >>> import torch
+        >>> import gradtap as gt
+        >>> sign = gt.stateless(lambda g, p: g.sign())
+        >>> sign.update(torch.tensor([-2.0, 3.0]), (), None)[0]
+        tensor([-1.,  1.])
+    """
+    if not callable(fn):
+        raise TypeError(f"stateless(fn): fn must be callable (grad, param) -> grad; got {type(fn).__name__}")
+
+    def update(grad: Tensor, state: State, param: Tensor | None, /, **extra: Any) -> tuple[Tensor, State]:
+        return fn(grad, param), state
+
+    return Transform(_empty_init, update)
+
+
+def chain(*parts: Transform) -> Transform:
+    """Compose transforms: the gradient goes through ``parts`` in order, left to right.
+
+    The state is the tuple of the members' states. Keyword extras are forwarded to every
+    member. If any member offers ``update_many`` the chain does too (members without it run
+    per tensor inside it); if any member is group-only (``clip_global_norm``) the chain is too.
+
+    Args:
+        *parts: the transforms, applied first to last.
+
+    Returns:
+        A :class:`Transform` whose state is ``tuple(member states)``.
+
+    Raises:
+        TypeError: a part is not a :class:`Transform`.
+
+    Example:
+        >>> import torch
+        >>> import gradtap as gt
+        >>> t = gt.chain(gt.scale(2.0), gt.clip_value(1.0))
+        >>> t.update(torch.tensor([0.25, 3.0]), t.init(torch.zeros(2)), None)[0]
+        tensor([0.5000, 1.0000])
+    """
+    for i, part in enumerate(parts):
+        if not isinstance(part, Transform):
+            raise TypeError(
+                f"chain(): argument {i} must be a gradtap Transform (init, update); "
+                f"got {type(part).__name__}"
+            )
+    members = tuple(parts)
+
+    def init(param: Tensor) -> tuple[State, ...]:
+        return tuple(part.init(param) for part in members)
+
+    def update(
+        grad: Tensor, state: tuple[State, ...], param: Tensor | None, /, **extra: Any
+    ) -> tuple[Tensor, tuple[State, ...]]:
+        new_states = []
+        for part, sub in zip(members, state, strict=True):
+            grad, sub = part.update(grad, sub, param, **extra)
+            new_states.append(sub)
+        return grad, tuple(new_states)
+
+    if any(is_group_only(part) for part in members):
+        _mark_group_only(update)
+
+    if not any(part.update_many is not None for part in members):
+        return Transform(init, update)
+
+    def update_many(
+        grads: Sequence[Tensor],
+        states: Sequence[tuple[State, ...]],
+        params: Sequence[Tensor | None],
+        /,
+        **extra: Any,
+    ) -> tuple[list[Tensor], list[tuple[State, ...]]]:
+        grads = list(grads)
+        per_member: list[list[State]] = []
+        for k, part in enumerate(members):
+            subs = [state[k] for state in states]
+            if part.update_many is not None:
+                grads, subs = part.update_many(grads, subs, params, **extra)
+                grads, subs = list(grads), list(subs)
+            else:
+                outs = [part.update(g, s, p, **extra) for g, s, p in zip(grads, subs, params, strict=True)]
+                grads = [o[0] for o in outs]
+                subs = [o[1] for o in outs]
+            per_member.append(subs)
+        new_states = [tuple(m[i] for m in per_member) for i in range(len(grads))]
+        return grads, new_states
+
+    return Transform(init, update, update_many)
