@@ -101,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     builders = {"MLP 784-512-512-10, batch 128": _models.mlp,
                 "small CNN, batch 64, 3x32x32": _models.small_cnn,
                 "ResNet-18-like, batch 16, 3x32x32": _models.resnet18_like}
+    if args.quick:  # tiny sizes: only checks that the script works
+        builders = {"MLP (quick)": lambda: _models.mlp(batch=4, hidden=32),
+                    "small CNN (quick)": lambda: _models.small_cnn(batch=2),
+                    "ResNet-18-like (quick)": lambda: _models.resnet18_like(batch=2, width=4)}
     rows = []
     for label, build in builders.items():
         model, x, y = build()

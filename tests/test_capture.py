@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import resource
 import weakref
 
 import pytest
@@ -37,12 +38,16 @@ def check_against_oracle(model: nn.Module, run, names: list[str] | None = None) 
     for name in t.names:
         expected = oracle_calls(model, name, run)
         got = t.find(name)
-        assert len(got) == len(expected), f"{name}: {len(got)} records, oracle {len(expected)} calls"
+        assert len(got) == len(expected), (
+            f"{name}: {len(got)} records, oracle {len(expected)} calls"
+        )
         for rec, exp in zip(got, expected):
             where = f"{name} call {rec.call}"
             assert set(rec.param_grads) == set(exp["param_names"]), where
             for key, g in exp["grad_inputs"].items():
-                assert key in rec.grad_inputs, f"{where}: input {key!r} missing in {list(rec.grad_inputs)}"
+                assert key in rec.grad_inputs, (
+                    f"{where}: input {key!r} missing in {list(rec.grad_inputs)}"
+                )
                 assert_close_or_none(rec.grad_inputs[key], g, f"{where} grad_inputs[{key!r}]")
             for key, g in rec.grad_inputs.items():
                 if key not in exp["grad_inputs"]:
@@ -53,8 +58,11 @@ def check_against_oracle(model: nn.Module, run, names: list[str] | None = None) 
             for key, g in exp["grad_outputs"].items():
                 assert_close_or_none(rec.grad_outputs[key], g, f"{where} grad_outputs[{key!r}]")
             for key in rec.param_grads:
-                assert_close_or_none(rec.param_grads[key], exp["param_grads"].get(key),
-                                     f"{where} param_grads[{key!r}]")
+                assert_close_or_none(
+                    rec.param_grads[key],
+                    exp["param_grads"].get(key),
+                    f"{where} param_grads[{key!r}]",
+                )
     assert_no_hooks(model)
     return t
 
@@ -86,13 +94,18 @@ def assert_tap_changes_nothing(model: nn.Module, run, exact: bool = True) -> Non
 
 def assert_calls_sum_to_grad(t: gt.Tap, model: nn.Module) -> None:
     """For every parameter, the per-call contributions of its owner module sum to p.grad."""
-    owners = {id(p): (mod_name, p_name) for mod_name, mod in model.named_modules()
-              for p_name, p in mod.named_parameters(recurse=False)}
+    owners = {
+        id(p): (mod_name, p_name)
+        for mod_name, mod in model.named_modules()
+        for p_name, p in mod.named_parameters(recurse=False)
+    }
     for full, p in model.named_parameters():
         mod_name, p_name = owners[id(p)]
         if mod_name not in t.names or p.grad is None:
             continue
-        parts = [r.param_grads[p_name] for r in t.find(mod_name) if r.param_grads[p_name] is not None]
+        parts = [
+            r.param_grads[p_name] for r in t.find(mod_name) if r.param_grads[p_name] is not None
+        ]
         torch.testing.assert_close(sum(parts), p.grad, atol=1e-12, rtol=1e-10, msg=full)
 
 
@@ -101,10 +114,19 @@ def assert_calls_sum_to_grad(t: gt.Tap, model: nn.Module) -> None:
 LAYERS = {
     "linear": (lambda: nn.Linear(5, 3), lambda: torch.randn(4, 5, requires_grad=True)),
     "linear_seq": (lambda: nn.Linear(5, 3), lambda: torch.randn(2, 6, 5, requires_grad=True)),
-    "conv1d": (lambda: nn.Conv1d(2, 3, 3, stride=2), lambda: torch.randn(2, 2, 9, requires_grad=True)),
-    "conv2d": (lambda: nn.Conv2d(2, 4, 3, padding=1, groups=2), lambda: torch.randn(2, 2, 6, 5, requires_grad=True)),
+    "conv1d": (
+        lambda: nn.Conv1d(2, 3, 3, stride=2),
+        lambda: torch.randn(2, 2, 9, requires_grad=True),
+    ),
+    "conv2d": (
+        lambda: nn.Conv2d(2, 4, 3, padding=1, groups=2),
+        lambda: torch.randn(2, 2, 6, 5, requires_grad=True),
+    ),
     "conv3d": (lambda: nn.Conv3d(1, 2, 2), lambda: torch.randn(2, 1, 4, 4, 3, requires_grad=True)),
-    "convT2d": (lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1), lambda: torch.randn(2, 3, 4, 4, requires_grad=True)),
+    "convT2d": (
+        lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1),
+        lambda: torch.randn(2, 3, 4, 4, requires_grad=True),
+    ),
     "batchnorm2d": (lambda: nn.BatchNorm2d(3), lambda: torch.randn(4, 3, 5, 5, requires_grad=True)),
     "layernorm": (lambda: nn.LayerNorm(6), lambda: torch.randn(3, 4, 6, requires_grad=True)),
 }
@@ -168,7 +190,9 @@ def test_multihead_attention_keyword_inputs_and_tuple_output():
     assert set(rec.grad_outputs) == {"0", "1"}
     # key and value are the same tensor passed twice: each entry is its own argument's share.
     assert not torch.allclose(rec.grad_inputs["key"], rec.grad_inputs["value"])
-    assert rec.param_grads["out_proj.weight"] is not None  # used functionally, not by calling out_proj
+    assert (
+        rec.param_grads["out_proj.weight"] is not None
+    )  # used functionally, not by calling out_proj
     # Giving `value` its own alias makes MultiheadAttention see `key is not value` and take its
     # general (unpacked) projection path: same math, different rounding.
     assert_tap_changes_nothing(mha, run, exact=False)
@@ -247,6 +271,7 @@ def test_records_in_backward_completion_order():
 
 
 # -- real-model patterns --------------------------------------------------------------------
+
 
 class ConvBlock(nn.Module):
     """conv -> bn, residual added in place, masked in-place write, in-place dropout and ReLU,
@@ -395,6 +420,7 @@ def test_create_graph_and_double_backward():
 
 # -- keep, to, clear, removal and hygiene --------------------------------------------------
 
+
 def test_keep_inputs_outputs_and_to():
     net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True))
     x = torch.randn(4, 3)
@@ -403,7 +429,9 @@ def test_keep_inputs_outputs_and_to():
     lin, relu = t.find("0")[0], t.find("1")[0]
     torch.testing.assert_close(lin.inputs["input"], x)
     # The in-place ReLU overwrote its input; the kept input is the value before the call.
-    torch.testing.assert_close(relu.inputs["input"], lin.outputs["output"].clamp(min=0) * 0 + relu.inputs["input"])
+    torch.testing.assert_close(
+        relu.inputs["input"], lin.outputs["output"].clamp(min=0) * 0 + relu.inputs["input"]
+    )
     assert (relu.inputs["input"] < 0).any() and (relu.outputs["output"] >= 0).all()
     assert all(not v.requires_grad for v in lin.inputs.values())
     with gt.tap(net) as t2:
@@ -440,7 +468,9 @@ def test_hygiene_after_exit_remove_and_exception():
             raise RuntimeError("boom")
     assert_no_hooks(net)
     for k, v in net.state_dict().items():
-        assert torch.equal(v, state[k]) or k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+        assert torch.equal(v, state[k]) or k.endswith(
+            ("running_mean", "running_var", "num_batches_tracked")
+        )
     pickle.dumps(net)
 
 
@@ -469,24 +499,30 @@ def test_graph_kept_alive_after_removal_records_nothing():
 
 def test_memory_flat_over_many_steps():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    x = torch.randn(32, 64)
+    net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(64, 256)  # one step keeps ~0.5 MB of tensors in its records
     refs = []
     with gt.tap(net, keep=("inputs", "outputs")) as t:
         for step in range(1000):
             net(x).sum().backward()
             if step % 100 == 0:
                 refs.append(weakref.ref(t.records[0].grad_outputs["output"]))
+            if step == 100:
+                peak_after_warmup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
             t.clear()
             net.zero_grad(set_to_none=True)
+        growth_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_after_warmup) / 1024
         gc.collect()
         alive = sum(r() is not None for r in refs)
         objects = sum(type(o) is gt.GradRecord for o in gc.get_objects())
     assert alive == 0, f"{alive} gradients from cleared steps are still alive"
     assert objects == 0
+    # 900 more steps would add ~450 MB if records leaked; allow allocator noise only.
+    assert growth_mib < 16, f"peak memory grew by {growth_mib:.1f} MiB over 900 steps"
 
 
 # -- errors ---------------------------------------------------------------------------------
+
 
 def test_bad_arguments():
     net = nn.Sequential(nn.Linear(2, 2))
@@ -505,6 +541,40 @@ def test_bad_arguments():
 def test_rewrite_shape_mismatch_names_the_module():
     net = nn.Sequential(nn.Linear(2, 3))
     with gt.tap(net, rewrite_grad_output=lambda name, path, g: g[:1]):
-        with pytest.raises(ValueError, match=r"rewrite of grad_output 'output' of '0' returned shape \(1, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"rewrite of grad_output 'output' of '0' returned shape \(1, 3\)"
+        ):
             net(torch.randn(2, 2)).sum().backward()
     assert_no_hooks(net)
+
+
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, first, *args, scale=None, **extra):
+        out = self.lin(first) * scale
+        for i, a in enumerate(args):
+            out = out + (i + 1) * a
+        return out + extra["bias_term"].sum()
+
+
+def test_varargs_and_kwargs_naming():
+    torch.manual_seed(0)
+    m = VarArgs()
+    a, b, c = (torch.randn(2, 3, requires_grad=True) for _ in range(3))
+    s = torch.randn(2, 3, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    t = check_against_oracle(m, lambda: m(a, b, c, scale=s, bias_term=bias).pow(2).sum(), names=[""])
+    assert set(t.records[0].grad_inputs) == {"first", "args.0", "args.1", "scale", "bias_term"}
+
+
+def test_no_records_under_no_grad():
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with gt.tap(net) as t:
+        with torch.no_grad():
+            net(torch.randn(3, 2))
+        out = net(torch.randn(3, 2))
+        out.sum().backward()
+    assert [r.call for r in t.find("0")] == [0]  # the no_grad call is not counted

@@ -12,6 +12,9 @@ import gradtap as gt
 CONTRACT = {
     "records": {"tap", "GradRecord", "explain", "SelectionError", "GradtapError"},
     "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},
+    "transforms": {"Transform", "add_noise", "centralize", "chain", "clip_global_norm",
+                   "clip_norm", "clip_value", "ewma", "flip", "normalize", "scale", "stateless",
+                   "transform", "zero"},
 }
 
 
