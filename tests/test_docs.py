@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCTEST_MODULES = ["gradtap.select", "gradtap.capture", "gradtap.record", "gradtap.explain"]
+DOCTEST_MODULES = ["gradtap.select", "gradtap.capture", "gradtap.record", "gradtap.explain",
+                   "gradtap.curvature", "gradtap.functional.explicit"]
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)

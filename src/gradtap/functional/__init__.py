@@ -1,3 +1,9 @@
-"""Explicit functional building blocks (filled in by the convolution issue)."""
+"""Explicit functional building blocks: a convolution differentiable to any order."""
 
-__all__: list[str] = []
+from gradtap.functional.conv import conv, conv_input_grad, conv_weight_grad
+
+__all__ = [
+    "conv",
+    "conv_input_grad",
+    "conv_weight_grad",
+]
