@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCTEST_MODULES = ["gradtap.select", "gradtap.capture", "gradtap.record", "gradtap.explain",
-                   "gradtap.curvature", "gradtap.functional.explicit"]
+                   "gradtap.curvature", "gradtap.functional.explicit", "gradtap.monitor",
+                   "gradtap.store"]
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)

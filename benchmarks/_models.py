@@ -1,0 +1,39 @@
+"""Benchmark workloads: each builder returns ``(model, example_input, target)``.
+
+The models come from :mod:`gradtap.examples` (plain ``nn.Module`` code, no downloads); inputs
+are seeded random tensors and targets class indices for ``F.cross_entropy``. Other benchmarks
+may import these builders.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gradtap import examples
+
+__all__ = ["mlp", "resnet18_like", "small_cnn"]
+
+
+def _data(shape: tuple[int, ...], seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
+
+
+def mlp(batch: int = 128, hidden: int = 512, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """ReLU MLP 784 -> hidden x3 -> 10 on random inputs [batch, 784]."""
+    torch.manual_seed(seed)
+    return (examples.mlp(784, hidden, depth=3), *_data((batch, 784), seed))
+
+
+def small_cnn(batch: int = 64, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """Three conv-BN-ReLU-pool stages and a linear head on random inputs [batch, 3, 32, 32]."""
+    torch.manual_seed(seed)
+    return (examples.small_cnn(3, 10), *_data((batch, 3, 32, 32), seed))
+
+
+def resnet18_like(batch: int = 16, width: int = 64, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """ResNet-18 layout (2-2-2-2 basic blocks, BatchNorm; width 64 = ResNet-18's channels,
+    11.2M parameters) on random inputs [batch, 3, 32, 32]."""
+    torch.manual_seed(seed)
+    return (examples.resnet18_like(width=width), *_data((batch, 3, 32, 32), seed))

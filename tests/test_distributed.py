@@ -1,0 +1,242 @@
+"""Statistics across ranks: two gloo processes on CPU against one process on the whole batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradtap as gt
+from gradtap import _tensorops as ops
+from gradtap import distributed
+from tests.test_monitor import ewma_oracle
+from tests.test_tensorops import assert_stat_close, oracle, oracle_hist, slack
+
+ALL_STATS = ops.STAT_NAMES
+
+
+def test_world_without_a_process_group():
+    assert distributed.world() == (0, 1)
+    assert not distributed.is_distributed()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reduce_parts_without_process_group_matches_the_host_combination(seed):
+    """The distributed path (refine and combine on the device, ``between`` for m2) agrees
+    with the exact host path, NaN/Inf included."""
+    rng = np.random.default_rng(seed)
+    parts, group = [], []
+    for g in range(3):
+        for _ in range(rng.integers(1, 4)):
+            x = rng.standard_normal(rng.integers(1, 40)) * 10.0 ** rng.integers(-3, 3) + g
+            if rng.random() < 0.3:
+                x[rng.integers(0, x.size)] = rng.choice([np.nan, np.inf, -np.inf])
+            parts.append(torch.tensor(x))
+            group.append(g)
+    group_arr = np.array(group)
+    edges = ops.hist_edges(5, "linear", (-2.0, 2.0))
+    needs = ops.needs_for(ALL_STATS, exact_nonfinite=True)
+    fields = _assemble(ops.tensor_moments(parts, needs, edges=edges, exact_m2=True), len(parts))
+    count = np.array([p.numel() for p in parts], dtype=np.float64)
+    rcount, rfields, check = distributed.reduce_parts(count, fields, group_arr, ["a", "b", "c"])
+    assert not distributed.layout_mismatch(check.numpy())
+    got = ops.finish_stats(rcount.numpy(), {k: v.numpy() for k, v in rfields.items()}, ALL_STATS)
+    for g in range(3):
+        whole = torch.cat([p for p, k in zip(parts, group) if k == g]).numpy()
+        expected = oracle(whole)
+        for stat in ALL_STATS:
+            assert_stat_close(float(got[stat][g]), expected[stat], f"{stat}[{g}]",
+                              slack(stat, whole), 1e-9)
+        np.testing.assert_array_equal(rfields["hist"][g].numpy(), oracle_hist(whole, edges.numpy()))
+
+
+def _assemble(groups, n):
+    fields = {}
+    for idx, f in groups:
+        for k, v in f.items():
+            out = fields.setdefault(k, torch.zeros((n, *v.shape[1:]), dtype=v.dtype))
+            out[idx] = v
+    return fields
+
+
+def test_layout_mismatch_detects_different_keys():
+    assert distributed.layout_mismatch([5.0, -5.0]) is False
+    assert distributed.layout_mismatch([7.0, -5.0]) is True
+
+
+def test_ranks_without_rows_take_part_with_empty_fields():
+    fields = {f: torch.zeros(0, dtype=torch.float64) for f in ("sum", "sumsq", "max", "negmin")}
+    count, out, _ = distributed.reduce_parts(np.zeros(0), fields, np.zeros(0, dtype=np.int64),
+                                             ["x", "y"])
+    assert count.tolist() == [0.0, 0.0] and set(out) >= {"sum", "between", "max"}
+
+
+# -- two processes ---------------------------------------------------------------------------
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    import gradtap as gt
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = []
+    real_all_reduce = dist.all_reduce
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = counting  # DDP's own buckets go through C++, not through here
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model = model.double()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(3, 8, 3, generator=g, dtype=torch.float64)
+    x[1, 6, 2] = float("nan") if rank == 1 else x[1, 6, 2]  # one rank sees a NaN at step 1
+    stats = %(stats)r
+    glob = gt.Monitor(model, stats=stats, kinds=("param_grad", "grad_output"), ewma=0.9,
+                      hist_bins=6, hist_scale="linear", hist_range=(-0.5, 0.5),
+                      store=os.path.join(out, "run"))
+    local = gt.Monitor(model, stats=stats, local_grads=True)
+    per_step = []
+    for step in range(3):
+        xs, ys = x[step, 4 * rank:4 * rank + 4], y[step, 4 * rank:4 * rank + 4]
+        loss = ((ddp(xs) - ys) ** 2).sum() * world / 8  # DDP averages: global mean over 8
+        loss.backward()
+        before = len(calls)
+        glob.step()
+        local.step()
+        per_step.append(len(calls) - before)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * torch.nan_to_num(p.grad)
+                p.grad = None
+    glob.close()
+    local.close()
+    glob.frame().to_pickle(os.path.join(out, f"glob{rank}.pkl"))
+    local.frame().to_pickle(os.path.join(out, f"local{rank}.pkl"))
+    torch.save({n: (glob.ewma_mean(n), glob.ewma_var(n)) for n, _ in model.named_parameters()},
+               os.path.join(out, f"ewma{rank}.pt"))
+    with open(os.path.join(out, f"info{rank}.json"), "w") as f:
+        json.dump({"collectives": per_step, "writes": glob.run is not None}, f)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference():
+    """One process, the concatenated batch of both ranks, statistics by the numpy oracle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(3, 8, 3, generator=g, dtype=torch.float64)
+    x[1, 6, 2] = float("nan")
+    glob, local, outs = {}, {}, {}
+    ewma_hist: dict[str, list[np.ndarray]] = {n: [] for n, _ in model.named_parameters()}
+    for step in range(3):
+        w0, b0, w2, b2 = model[0].weight, model[0].bias, model[2].weight, model[2].bias
+        o0 = x[step] @ w0.T + b0
+        o1 = torch.tanh(o0)
+        o2 = o1 @ w2.T + b2
+        per_sample = ((o2 - y[step]) ** 2).sum(1)
+        # Each rank's loss is (its half's sum) * world / 8, so its dL/d(output) rows are
+        # those of 2 * mean-loss over the whole batch.
+        scaled = 2 * per_sample.sum() / 8
+        g0, g1, g2 = torch.autograd.grad(scaled, [o0, o1, o2], retain_graph=True)
+        outs[step] = {"0:output": g0, "1:output": g1, "2:output": g2}
+        params = list(model.parameters())
+        grads = torch.autograd.grad(per_sample.sum() / 8, params, retain_graph=True)
+        # Rank r's own gradient, from its own forward (rank 0 never sees rank 1's NaN input).
+        halves = [torch.autograd.grad((((model(x[step, 4 * r:4 * r + 4]) - y[step, 4 * r:4 * r + 4])
+                                        ** 2).sum() * 2 / 8), params) for r in range(2)]
+        names = [n for n, _ in model.named_parameters()]
+        for i, name in enumerate(names):
+            glob[(step, name)] = grads[i].numpy()
+            local[(step, name)] = torch.cat([halves[0][i].reshape(-1),
+                                             halves[1][i].reshape(-1)]).numpy()
+            ewma_hist[name].append(grads[i].numpy())
+        with torch.no_grad():
+            for p, gr in zip(params, grads):
+                p -= 0.1 * torch.nan_to_num(gr)
+    return glob, local, outs, ewma_hist
+
+
+def _frame_dict(df):
+    return {(int(r.step), r.name, r.kind, r.stat): float(r.value) for r in df.itertuples()}
+
+
+def test_two_gloo_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER % {"stats": ALL_STATS})
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log
+
+    glob_ref, local_ref, outs_ref, ewma_hist = _reference()
+    frames = [pd.read_pickle(tmp_path / f"glob{r}.pkl") for r in range(2)]
+    pd.testing.assert_frame_equal(frames[0], frames[1])  # every rank sees the same statistics
+    pd.testing.assert_frame_equal(frames[0], gt.open_run(tmp_path / "run").frame())
+    got = _frame_dict(frames[0])
+    expected = {}
+    for (step, name), g in glob_ref.items():
+        expected.update({(step, name, "param_grad", s): (v, g) for s, v in oracle(g).items()})
+    for step, per_module in outs_ref.items():
+        for name, g in per_module.items():
+            g = g.numpy()
+            expected.update({(step, name, "grad_output", s): (v, g) for s, v in oracle(g).items()})
+    assert set(got) == set(expected)
+    for key, (value, data) in expected.items():
+        assert_stat_close(got[key], value, str(key), slack(key[3], data), 1e-7)
+    run = gt.open_run(tmp_path / "run")
+    edges, counts = run.histogram("1:output", kind="grad_output")
+    for i, step in enumerate(run.histogram("1:output", kind="grad_output").steps):
+        np.testing.assert_array_equal(counts[i], oracle_hist(outs_ref[step]["1:output"], edges))
+
+    local = [_frame_dict(pd.read_pickle(tmp_path / f"local{r}.pkl")) for r in range(2)]
+    assert local[0] == pytest.approx(local[1], nan_ok=True)
+    for (step, name), g in local_ref.items():
+        for stat, value in oracle(g).items():
+            assert_stat_close(local[0][(step, name, "param_grad", stat)], value,
+                              f"local {step} {name} {stat}", slack(stat, g), 1e-7)
+
+    ewma = [torch.load(tmp_path / f"ewma{r}.pt", weights_only=True) for r in range(2)]
+    for name, seq in ewma_hist.items():
+        m, v = ewma_oracle(seq, 0.9)
+        for r in range(2):
+            for i in range(2):  # identical on every rank, bit for bit (NaN where NaN)
+                torch.testing.assert_close(ewma[r][name][i], ewma[0][name][i], rtol=0, atol=0,
+                                           equal_nan=True)
+            np.testing.assert_allclose(ewma[r][name][0].numpy(), m, rtol=1e-9)
+            np.testing.assert_allclose(ewma[r][name][1].numpy(), v, rtol=1e-9)
+
+    info = [json.loads((tmp_path / f"info{r}.json").read_text()) for r in range(2)]
+    assert [i["writes"] for i in info] == [True, False]  # only rank 0 writes the store
+    for i in info:
+        # glob reduces grad_output (2 collectives), local reduces param grads (2 more)
+        assert i["collectives"] == [4, 4, 4]
