@@ -343,3 +343,15 @@ def test_schema_document_matches_the_database(tmp_path):
     for key in meta_keys:
         assert f"`{key}`" in doc, f"meta key {key}"
     assert json.dumps(SCHEMA_VERSION) in doc
+
+
+def test_cli_export_tensorboard(tmp_path, capsys):
+    from gradtap.cli import main
+
+    pytest.importorskip("torch.utils.tensorboard")
+    run_monitor(store=tmp_path / "run", steps=2).close()
+    assert main(["export-tensorboard", str(tmp_path / "run"), str(tmp_path / "tb")]) == 0
+    assert capsys.readouterr().out.startswith("wrote 2 steps of ")
+    assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert main(["export-tensorboard", str(tmp_path / "missing"), str(tmp_path / "tb3")]) == 2
+    assert "gradtap export-tensorboard: error:" in capsys.readouterr().err

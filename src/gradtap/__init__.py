@@ -1,12 +1,68 @@
 """gradtap: see, understand and shape the gradients flowing backward through a PyTorch model."""
 
+from gradtap import functional
+from gradtap.capture import Tap, tap
+from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
 from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
+from gradtap.explain import Explanation, explain
+from gradtap.export import to_tensorboard
+from gradtap.functional.explicit import explicit_conv
+from gradtap.monitor import Monitor
+from gradtap.record import GradRecord
+from gradtap.select import select_modules, select_parameters
+from gradtap.store import Run, open_run
+from gradtap.transform import (
+    Transform,
+    add_noise,
+    centralize,
+    chain,
+    clip_global_norm,
+    clip_norm,
+    clip_value,
+    ewma,
+    flip,
+    normalize,
+    scale,
+    stateless,
+    transform,
+    zero,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Explanation",
+    "GradRecord",
     "GradientAnomaly",
     "GradtapError",
+    "Monitor",
+    "Run",
     "SelectionError",
+    "Tap",
+    "Transform",
     "UnsupportedModuleError",
+    "add_noise",
+    "centralize",
+    "chain",
+    "clip_global_norm",
+    "clip_norm",
+    "clip_value",
+    "ewma",
+    "explain",
+    "explicit_conv",
+    "flip",
+    "functional",
+    "hessian_trace",
+    "hvp",
+    "normalize",
+    "open_run",
+    "scale",
+    "select_modules",
+    "select_parameters",
+    "stateless",
+    "tap",
+    "to_tensorboard",
+    "top_eigenvalue",
+    "transform",
+    "zero",
 ]

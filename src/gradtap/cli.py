@@ -1,4 +1,9 @@
-"""Command line: ``gradtap explain``, ``gradtap demo`` (argument parsing and printing only)."""
+"""Command line: ``gradtap explain``, ``demo``, ``report``, ``runs`` (argument parsing and
+printing only; the work is done by library functions that return data).
+
+Exit codes: 0 success, 2 a usage error or a run directory that is missing or cannot be read
+(the message says which), 1 anything unexpected.
+"""
 
 from __future__ import annotations
 
@@ -53,8 +58,55 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and input (default 0)")
     p.set_defaults(func=_cmd_explain)
 
-    p = sub.add_parser("demo", help="run the demo", description="Run the gradtap demo.")
+    p = sub.add_parser(
+        "demo", help="train a small conv net on bundled digits data and write an HTML report",
+        description="Train a small conv net on scikit-learn's bundled 8x8 digits (no download) "
+                    "with a Monitor writing a run store, a transform normalizing the conv "
+                    "gradients and anomaly detection; then write DIR/report.html and print a "
+                    "per-layer summary.")
+    p.add_argument("--steps", type=_positive_int, default=200, metavar="N",
+                   help="training steps of 64 samples (default 200)")
+    p.add_argument("--out", default="runs/demo", metavar="DIR",
+                   help="run directory; replaced if it holds a run (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
+                   help="plant a NaN in block2's forward at STEP to show detection; that "
+                        "optimizer step is skipped and training goes on")
+    p.add_argument("--spike", type=float, default=None, metavar="FACTOR",
+                   help="also record gradient-norm spikes above FACTOR times their EWMA "
+                        "(e.g. 10; needs gradtap.detect)")
+    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "report", help="write a self-contained HTML report of a run directory",
+        description="Render RUN_DIR (written by gt.Monitor(..., store=RUN_DIR)) as one "
+                    "self-contained HTML file: gradient norms per layer, a layers x steps "
+                    "heatmap, histograms over time, EWMA bands, update-to-weight ratios, "
+                    "anomalies and metadata.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds run.db)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="where to write the HTML (default RUN_DIR/report.html)")
+    p.add_argument("--hist", action="append", metavar="GLOB",
+                   help="show histograms of the tensors matching GLOB (repeatable; default: "
+                        "the weight gradients)")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "runs", help="list run directories with steps, start time and status",
+        description="List the run directories (holding run.db) at or below DIR, up to three "
+                    "levels deep.")
+    p.add_argument("dir", nargs="?", default="runs", metavar="DIR",
+                   help="where to look (default runs)")
+    p.set_defaults(func=_cmd_runs)
+
+    p = sub.add_parser(
+        "export-tensorboard", help="export a run's scalars and histograms to TensorBoard",
+        description="Write a run store's statistics and histograms as TensorBoard event files "
+                    "(needs: pip install gradtap[tensorboard]).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding run.db)")
+    p.add_argument("log_dir", metavar="LOG_DIR", help="the TensorBoard log directory to write")
+    p.set_defaults(func=_cmd_export_tensorboard)
     return parser
 
 
@@ -85,7 +137,152 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    return main(["explain", "--example", "convnet", "--legacy"])
+    from gradtap.errors import StoreError
+    from gradtap.report import layer_summary, write_report
+    from gradtap.report.demo import run_demo
+
+    if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
+        raise _CliError(f"--inject-nan must be a step in [0, {args.steps}); got {args.inject_nan}")
+    bar = None if args.no_progress else _Progress(sys.stderr)
+    try:
+        result = run_demo(args.out, steps=args.steps, seed=args.seed, inject_nan=args.inject_nan,
+                          spike=args.spike, progress=bar)
+    except (StoreError, ValueError) as err:
+        raise _CliError(str(err)) from err
+    finally:
+        if bar is not None:
+            bar.close()
+    report = write_report(result.run_dir)
+    print(f"trained DemoNet on the digits for {result.steps} steps in {result.seconds:.1f} s; "
+          f"test accuracy {result.test_accuracy:.1%}")
+    targets = ", ".join(result.transform_plan)
+    print(f"transform: {targets} <- chain(normalize(0.99), clip_norm(1.0)) before each "
+          "optimizer step")
+    if not result.detect_available:
+        print("anomaly detection: gradtap.detect is not available; non-finite losses are "
+              "checked instead")
+    if result.anomalies:
+        a = result.anomalies[0]
+        print(f"anomalies: {len(result.anomalies)}; first: {a.get('kind')} at step "
+              f"{a.get('step')} in {a.get('module_name')} ({a.get('where')}); skipped "
+              f"optimizer steps: {', '.join(map(str, result.skipped_steps)) or 'none'}")
+    else:
+        print("anomalies: none")
+    print()
+    rows = [[ly.name, _fmt(ly.first_norm), _fmt(ly.last_norm), _fmt(ly.max_norm),
+             _fmt(ly.median_ratio) if ly.median_ratio is not None else "-",
+             str(ly.nonfinite_steps)]
+            for ly in layer_summary(result.run_dir) if ly.kind == "param_grad"]
+    print(_table(["parameter", "grad norm first", "last", "max", "median update ratio",
+                  "NaN steps"],
+                 rows))
+    print()
+    print(f"run store: {result.run_dir / 'run.db'}")
+    print(f"report:    {report}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from gradtap.errors import SelectionError, StoreError
+    from gradtap.report import write_report
+
+    try:
+        path = write_report(args.run_dir, args.output, hist_names=args.hist)
+    except (StoreError, SelectionError) as err:
+        raise _CliError(str(err)) from err
+    except OSError as err:
+        raise _CliError(f"cannot write the report: {err}") from err
+    print(path)
+    return 0
+
+
+def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
+    from gradtap.errors import GradtapError
+    from gradtap.export import export_tensorboard
+
+    try:
+        print(export_tensorboard(args.run_dir, args.log_dir))
+    except (GradtapError, ImportError) as err:
+        raise _CliError(str(err)) from err
+    return 0
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from gradtap.errors import StoreError
+    from gradtap.report import list_runs
+
+    try:
+        runs = list_runs(args.dir)
+    except StoreError as err:
+        raise _CliError(str(err)) from err
+    if not runs:
+        print(f"no run directories (holding run.db) under {args.dir}")
+        return 0
+    rows = [[str(r.path), "-" if r.steps is None else str(r.steps),
+             "-" if r.last_step is None else str(r.last_step), r.start_time or "-", r.status]
+            for r in runs]
+    print(_table(["run", "steps", "last step", "started", "status"], rows))
+    for r in runs:
+        if r.error:
+            print(f"{r.path}: {r.error}", file=sys.stderr)
+    return 0
+
+
+class _Progress:
+    """A one-line progress bar with loss and gradient norm (redrawn on a terminal)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown = -1
+        self.open = False
+
+    def __call__(self, step: int, total: int, loss: float, grad_norm: float) -> None:
+        done = step + 1
+        if not self.tty:  # a log file: about ten lines
+            if done == total or done * 10 // total > self.shown:
+                self.shown = done * 10 // total
+                print(f"step {done}/{total}  loss {loss:.4f}  grad norm {grad_norm:.4g}",
+                      file=self.stream, flush=True)
+            return
+        width = 30
+        filled = width * done // total
+        line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}  "
+                f"loss {loss:7.4f}  grad norm {grad_norm:9.4g}")
+        self.stream.write(line)
+        self.stream.flush()
+        self.open = True
+
+    def close(self) -> None:
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
+
+
+def _fmt(v: float) -> str:
+    if v != v:
+        return "nan"
+    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 or v == 0 else f"{v:.2e}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
+    return value
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:

@@ -1,0 +1,42 @@
+"""Reports of a run: a plain data model read from the run store, rendered to one HTML file.
+
+``write_report(run_dir)`` writes ``run_dir/report.html``: gradient norms per layer over steps
+(log scale), a layers-by-steps heatmap, histograms over time, EWMA bands, update-to-weight
+ratios, anomalies and the run's metadata, as inline SVG in a self-contained page.
+``list_runs(root)`` finds run directories; :mod:`gradtap.report.demo` holds ``gradtap demo``'s
+training loop.
+"""
+
+from gradtap.report.data import (
+    ANOMALIES_FILE,
+    METRICS_FILE,
+    LayerSummary,
+    ReportData,
+    RunInfo,
+    build_report_data,
+    layer_summary,
+    list_runs,
+    read_anomalies,
+    read_metrics,
+    write_anomalies,
+    write_metrics,
+)
+from gradtap.report.html import REPORT_NAME, render_html, write_report
+
+__all__ = [
+    "ANOMALIES_FILE",
+    "METRICS_FILE",
+    "REPORT_NAME",
+    "LayerSummary",
+    "ReportData",
+    "RunInfo",
+    "build_report_data",
+    "layer_summary",
+    "list_runs",
+    "read_anomalies",
+    "read_metrics",
+    "render_html",
+    "write_anomalies",
+    "write_metrics",
+    "write_report",
+]
