@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/gradtap demo
+	$(VENV)/bin/gradtap demo --inject-nan 150
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
