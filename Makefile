@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gradtap demo --inject-nan 150
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
