@@ -11,19 +11,19 @@ Shape letters used in docstrings and einsum strings throughout the package:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Union
+from typing import Literal, TypeAlias
 
 from torch import nn
 
 #: What ``select=`` accepts: a glob on qualified module names, a list of globs, a module class
 #: or tuple of classes, or a predicate ``(qualified_name, module) -> bool``.
-Selector = Union[
-    str,
-    Sequence[str],
-    type[nn.Module],
-    tuple[type[nn.Module], ...],
-    Callable[[str, nn.Module], bool],
-]
+Selector: TypeAlias = (
+    str
+    | Sequence[str]
+    | type[nn.Module]
+    | tuple[type[nn.Module], ...]
+    | Callable[[str, nn.Module], bool]
+)
 
 KeepLiteral = Literal["inputs", "outputs"]
 WhenLiteral = Literal["backward", "accumulate", "step"]
