@@ -578,3 +578,15 @@ def test_no_records_under_no_grad():
         out = net(torch.randn(3, 2))
         out.sum().backward()
     assert [r.call for r in t.find("0")] == [0]  # the no_grad call is not counted
+
+
+def test_parameters_swapped_in_by_functional_call():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    with gt.tap(net) as t:
+        torch.func.functional_call(net, params, (torch.randn(2, 3),)).sum().backward()
+    for rec in t.records:
+        for p_name, g in rec.param_grads.items():
+            assert torch.equal(g, params[f"{rec.module_name}.{p_name}"].grad)
+    assert all(p.grad is None for p in net.parameters())

@@ -114,10 +114,11 @@ class _ModuleInfo:
     """What a tap needs to know about one selected module, resolved once."""
 
     __slots__ = ("name", "type_name", "param_names", "param_by_id", "positional", "varargs",
-                 "clone_inputs", "calls")
+                 "clone_inputs", "calls", "module_ref")
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
+        self.module_ref = weakref.ref(module)
         self.type_name = type(module).__name__
         named = list(module.named_parameters())
         self.param_names = [n for n, _ in named]
@@ -359,6 +360,7 @@ class Tap:
     def _walk(self, call: _Call, out_nodes: dict[Any, list]) -> dict[Any, list[tuple[int, int, str]]]:
         """Find the nodes of this call with edges into its inputs or its parameters."""
         start, input_edges, param_by_id = call.start, call.input_edges, call.info.param_by_id
+        current: dict[int, str] | None = None
         stack = [n for n in out_nodes if n._sequence_nr() >= start and type(n) is not _AccumulateGrad]
         seen = set(stack)
         found: dict[Any, list[tuple[int, int, str]]] = {}
@@ -372,6 +374,14 @@ class Tap:
                     found.setdefault(node, []).append((i, _INPUT, key))
                 elif type(nxt) is _AccumulateGrad:
                     name = param_by_id.get(id(nxt.variable))
+                    if name is None:
+                        # Parameters swapped in for this call (torch.func.functional_call,
+                        # reparametrizations): look at what the module holds right now.
+                        if current is None:
+                            module = call.info.module_ref()
+                            current = {} if module is None else {
+                                id(p): n for n, p in module.named_parameters() if p is not None}
+                        name = current.get(id(nxt.variable))
                     if name is not None:
                         found.setdefault(node, []).append((i, _PARAM, name))
                 elif nxt not in seen and nxt._sequence_nr() >= start:
