@@ -27,6 +27,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
+	$(PIP) -e ".[bench]"
+	$(PIP) --no-deps backpack-for-pytorch
+	@! $(PY) -m pip list 2>/dev/null | grep -i -E '^(nvidia-|torchvision )' || (echo "CUDA/torchvision packages in .venv" && false)
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -1,0 +1,399 @@
+"""Per-sample gradients and norms: gradtap vs BackPACK, Opacus and torch.func, side by side.
+
+Run: .venv/bin/python benchmarks/per_sample.py [--quick] [--methods] [--models mlp,cnn,...]
+
+Per model, one table: a plain forward+backward step; ``gt.per_sample`` asking for gradients,
+for norms only and for the variance only; BackPACK's ``BatchGrad``, ``BatchL2Grad`` and
+``Variance``; Opacus' ``GradSampleModule`` and its ghost-clipping module (norms only); and
+``torch.func.vmap(grad(functional_call))``. Anchors that are not installed are skipped with a
+note. Every step is ``cross_entropy(model(x), y)`` with the mean over the batch.
+
+Time: median seconds per step over interleaved rounds (every method once per round, so
+drift on a shared machine hits all alike), in this process. Peak memory: the peak resident
+set size (``VmHWM``) over three steps minus the resident size before the model was built,
+so what a method keeps between steps counts; the peak is reset (``/proc/self/clear_refs``)
+after two warmup steps, and freed heap memory is returned (``malloc_trim``) before the
+build and before the reset. Without ``--quick`` each
+configuration's memory is measured in its own fresh subprocess; with ``--quick`` in this
+process (a smoke test of the script). The ResNet's blocks run out of place (``out = out +
+identity``, ``ReLU(inplace=False)``): both anchors raise on in-place ops after hooked modules.
+
+``--methods`` prints, instead, the measurements behind the convolution rule's choice between
+its ``unfold`` and ``conv`` formulations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gradtap as gt  # noqa: E402
+from _timing import markdown_table, time_variants  # noqa: E402
+from gradtap import examples  # noqa: E402
+
+MODELS = ("mlp", "cnn", "resnet18_gn", "transformer")
+Step = Callable[[], object]
+
+# --------------------------------------------------------------------------------------------
+# workloads
+# --------------------------------------------------------------------------------------------
+
+
+class OutOfPlaceBlock(examples.BasicBlock):
+    """``examples.BasicBlock`` without in-place ops, which the anchors' hooks cannot take."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+def _resnet(width: int) -> nn.Module:
+    model = examples.ResNetLike(width=width, norm="group")
+    for module in model.modules():
+        if isinstance(module, examples.BasicBlock):
+            module.__class__ = OutOfPlaceBlock
+        if isinstance(module, nn.ReLU):
+            module.inplace = False
+    return model
+
+
+class Encoder(nn.Module):
+    """Token embedding, pre-norm-free TransformerEncoder (no dropout), mean-pooled classifier."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, ff: int, layers: int, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.emb(tokens)).mean(1))
+
+
+def workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, str]:
+    """``(model, x, y, description)`` with a fixed seed."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if name == "mlp":
+        n, hidden = (8, 32) if quick else (128, 512)
+        model, x = examples.mlp(784, hidden, depth=3), torch.randn(n, 784, generator=g)
+        desc = f"MLP 784-{hidden}x3-10, batch {n}"
+    elif name == "cnn":
+        n = 8 if quick else 128
+        model, x = examples.convnet(), torch.randn(n, 1, 28, 28, generator=g)
+        desc = f"CNN (2 conv + 3 linear, 1x28x28), batch {n}"
+    elif name == "resnet18_gn":
+        n, width = (2, 4) if quick else (32, 32)
+        model, x = _resnet(width), torch.randn(n, 3, 32, 32, generator=g)
+        desc = f"ResNet-18 layout, GroupNorm, width {width}, 3x32x32, batch {n}"
+    elif name == "transformer":
+        n, t, dim = (4, 8, 16) if quick else (32, 64, 128)
+        model = Encoder(1000, dim, 4, 2 * dim, 2)
+        x = torch.randint(0, 1000, (n, t), generator=g)
+        desc = f"Transformer encoder, 2 layers, d={dim}, 4 heads, {t} tokens, batch {n}"
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    params = sum(p.numel() for p in model.parameters())
+    y = torch.randint(0, 10, (x.shape[0],), generator=g)
+    return model, x, y, f"{desc}, {params / 1e6:.2f}M parameters"
+
+
+# --------------------------------------------------------------------------------------------
+# methods: each returns a step function, or raises ImportError / a string-able error
+# --------------------------------------------------------------------------------------------
+
+
+def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _gradtap(quantity: str) -> Callable[[nn.Module, Tensor, Tensor], Step]:
+    def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+        def step() -> object:
+            with gt.per_sample(model, quantities=(quantity,)) as ps:
+                F.cross_entropy(model(x), y).backward()
+            out = getattr(ps, quantity)
+            model.zero_grad(set_to_none=True)
+            return out
+
+        return step
+
+    return make
+
+
+def _backpack(extension: str) -> Callable[[nn.Module, Tensor, Tensor], Step]:
+    def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+        from backpack import backpack, extend, extensions
+
+        model = extend(model)
+        loss_fn = extend(nn.CrossEntropyLoss())
+        ext = getattr(extensions, extension)
+
+        def step() -> None:
+            with backpack(ext()):
+                loss_fn(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    return make
+
+
+def _opacus_model(model: nn.Module) -> nn.Module:
+    from opacus.validators import ModuleValidator
+
+    # Opacus needs its own attention module (DPMultiheadAttention) in place of torch's.
+    return model if ModuleValidator.is_valid(model) else ModuleValidator.fix(model)
+
+
+def _opacus(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    from opacus import GradSampleModule
+
+    gsm = GradSampleModule(_opacus_model(model))
+
+    def step() -> None:
+        F.cross_entropy(gsm(x), y).backward()
+        gsm.zero_grad(set_to_none=True)  # also drops grad_sample
+
+    return step
+
+
+def _opacus_ghost(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    gsm = GradSampleModuleFastGradientClipping(_opacus_model(model), max_grad_norm=1.0,
+                                               use_ghost_clipping=True)
+
+    def step() -> Tensor:
+        F.cross_entropy(gsm(x), y).backward()
+        norms = gsm.get_norm_sample()
+        gsm.zero_grad(set_to_none=True)
+        return norms
+
+    return step
+
+
+def _vmap(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss(p: dict[str, Tensor], xn: Tensor, yn: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, (p, buffers), (xn[None],)), yn[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
+    return lambda: per_sample(params, x, y)
+
+
+METHODS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
+    "plain step": _plain,
+    "gradtap grads": _gradtap("grad"),
+    "gradtap norms only": _gradtap("norm"),
+    "gradtap variance only": _gradtap("variance"),
+    "BackPACK BatchGrad": _backpack("BatchGrad"),
+    "BackPACK BatchL2Grad": _backpack("BatchL2Grad"),
+    "BackPACK Variance": _backpack("Variance"),
+    "Opacus GradSampleModule": _opacus,
+    "Opacus ghost clipping (norms)": _opacus_ghost,
+    "torch.func vmap": _vmap,
+}
+
+
+def _coverage(method: str, model: nn.Module, x: Tensor, y: Tensor) -> str:
+    """BackPACK silently skips module types it does not know: say how many it covered."""
+    if not method.startswith("BackPACK"):
+        return ""
+    field = {"BatchGrad": "grad_batch", "BatchL2Grad": "batch_l2", "Variance": "variance"}
+    attr = field[method.split()[-1]]
+    with_it = [p for p in model.parameters() if hasattr(p, attr)]
+    total = sum(1 for _ in model.parameters())
+    return "" if len(with_it) == total else f"partial: {len(with_it)} of {total} tensors"
+
+
+def build(method: str, model_name: str, quick: bool) -> tuple[Step | None, str, nn.Module]:
+    """A fresh model and the step of ``method`` on it, or ``(None, why, model)``."""
+    model, x, y, _ = workload(model_name, quick)
+    try:
+        step = METHODS[method](model, x, y)
+        step()
+    except ImportError as err:
+        return None, f"not installed ({err.name})", model
+    except Exception as err:  # noqa: BLE001 - an anchor failing on a model is a result
+        return None, f"fails: {type(err).__name__}: {str(err).splitlines()[0][:80]}", model
+    return step, _coverage(method, model, x, y), model
+
+
+# --------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Return freed heap to the OS, reset ``VmHWM`` to the current RSS and return it."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def measured_build(method: str, model_name: str, quick: bool) -> tuple[Step | None, str, float | None]:
+    """Build ``method``, warm it up, run it: ``(step, note, peak RSS increase in MiB)``.
+
+    The increase is over the resident size before the build, so memory a method keeps
+    between steps counts; the peak is reset after two warmup steps, so one-time costs of a
+    first call do not.
+    """
+    before = _reset_peak()
+    step, note, _ = build(method, model_name, quick)  # runs one step
+    if step is None:
+        return None, note, None
+    step()
+    _reset_peak()
+    for _ in range(1 if quick else 3):
+        step()
+    return step, note, (_status("VmHWM") - before) / 2**20
+
+
+def peak_memory_subprocess(method: str, model_name: str) -> float | None:
+    cmd = [sys.executable, __file__, "--_memory", model_name, method]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def run_model(model_name: str, quick: bool) -> str:
+    """Measure every method on one model; return its markdown table (with a title line)."""
+    _, _, _, desc = workload(model_name, quick)
+    steps: dict[str, Step] = {}
+    notes: dict[str, str] = {}
+    memory: dict[str, float | None] = {}
+    for method in METHODS:
+        if quick:  # memory from this very build, in this process
+            step, notes[method], memory[method] = measured_build(method, model_name, quick)
+        else:
+            step, notes[method], _ = build(method, model_name, quick)
+            memory[method] = None if step is None else peak_memory_subprocess(method, model_name)
+        if step is not None:
+            steps[method] = step
+    timing = time_variants(steps, steps=1 if quick else 3, rounds=1 if quick else 5,
+                           warmup=0 if quick else 1)
+    base_t, base_m = timing["plain step"], memory["plain step"]
+    rows = []
+    for method in METHODS:
+        t, m = timing.get(method), memory[method]
+        rows.append([
+            method,
+            _fmt(t * 1e3 if t is not None else None),
+            _fmt(t / base_t if t is not None else None, 2),
+            _fmt(m),
+            _fmt(m / base_m if m is not None and base_m else None, 2),
+            notes[method],
+        ])
+    header = ["method", "ms / step", "x plain", "peak MiB", "x plain", "note"]
+    return f"**{model_name}**: {desc}\n\n" + markdown_table(header, rows)
+
+
+def conv_methods(quick: bool) -> str:
+    """Time the conv rule's two weight-gradient formulations over typical layer shapes."""
+    from gradtap.per_sample.rules.conv import _problem, choose_method, grad_conv
+
+    shapes = [  # (type, in, out, kernel, stride, spatial, groups, batch)
+        (nn.Conv2d, 3, 16, 3, 1, 32, 1, 32), (nn.Conv2d, 16, 16, 3, 1, 32, 1, 32),
+        (nn.Conv2d, 32, 32, 3, 1, 16, 1, 32), (nn.Conv2d, 64, 64, 3, 1, 8, 1, 32),
+        (nn.Conv2d, 64, 128, 3, 1, 8, 1, 32), (nn.Conv2d, 128, 128, 3, 1, 4, 1, 32),
+        (nn.Conv2d, 64, 64, 3, 1, 16, 64, 32), (nn.Conv2d, 32, 64, 3, 1, 16, 32, 32),
+        (nn.Conv1d, 16, 32, 5, 1, 256, 1, 32), (nn.Conv3d, 4, 8, 3, 1, 12, 1, 16),
+        (nn.ConvTranspose2d, 32, 16, 4, 2, 8, 1, 32),
+    ]
+    if quick:
+        shapes = [(t, c, o, k, s, min(sp, 8), g, 2) for t, c, o, k, s, sp, g, _ in shapes[:3]]
+    rows = []
+    names = frozenset({"weight"})
+    for cls, cin, cout, k, s, sp, groups, n in shapes:
+        layer = cls(cin, cout, k, stride=s, padding=k // 2, groups=groups)
+        x = torch.randn(n, cin, *[sp] * (layer.weight.dim() - 2))
+        go = torch.randn_like(layer(x))
+        fns = {m: (lambda m=m, layer=layer, x=x, go=go: grad_conv(layer, x, go, names, method=m))
+               for m in ("unfold", "conv")}
+        t = time_variants(fns, steps=1 if quick else 3, rounds=1 if quick else 5, warmup=1)
+        chosen = choose_method(_problem(layer, x, go))
+        faster = min(t, key=t.get)
+        rows.append([f"{cls.__name__}({cin}, {cout}, {k}, stride={s}, groups={groups})",
+                     f"{n}x{sp}^{layer.weight.dim() - 2}", _fmt(t["unfold"] * 1e3, 2),
+                     _fmt(t["conv"] * 1e3, 2), faster, chosen])
+    header = ["layer", "batch x spatial", "unfold ms", "conv ms", "faster", "chosen"]
+    return markdown_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
+    parser.add_argument("--methods", action="store_true",
+                        help="time the conv rule's unfold and conv formulations instead")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--_memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._memory:
+        _, _, peak = measured_build(args._memory[1], args._memory[0], False)
+        print(json.dumps({"peak_mib": peak}))
+        return ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs", flush=True)
+    if args.methods:
+        text = conv_methods(args.quick)
+        print(text, flush=True)
+        return text
+    tables = []
+    for name in args.models.split(","):
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            # The anchors warn about modules they skip (the note column says so) and about
+            # full backward hooks on the first layer; torch.func about ops run as loops.
+            warnings.simplefilter("ignore")
+            tables.append(run_model(name, args.quick))
+        print(tables[-1], flush=True)
+        print(f"\n({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
+    return "\n\n".join(tables)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Per-sample rules for ``nn.Embedding`` (with ``padding_idx``).
+
+Sample n's weight gradient scatters its output gradients onto the rows it looked up:
+``g_n[v] = sum_{t: idx_nt = v} go_nt``; tokens equal to ``padding_idx`` contribute nothing,
+as in the module's own backward. Norms and the sum of squares need only the rows each sample
+touched: the (sample, row) keys are sorted, equal keys summed into segments, and the
+segments squared, so the cost is ``O(N T D)`` instead of ``O(N V D)``, without a host sync
+(every size is known in advance).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gradtap.per_sample.table import CHECK, GRAD, NORM, SUM_SQ
+
+__all__ = ["grad_embedding", "norm_embedding", "sum_sq_embedding"]
+
+
+@CHECK.register(nn.Embedding)
+def check_embedding(module: nn.Module) -> str | None:
+    """``scale_grad_by_freq`` divides by token counts over the whole batch: samples couple."""
+    if module.scale_grad_by_freq:
+        return (
+            "scale_grad_by_freq=True scales each row's gradient by its frequency in the whole "
+            "batch, so one sample's gradient depends on the others"
+        )
+    return None
+
+
+def _flat(module: nn.Module, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+    n = inp.shape[0]
+    idx = inp.reshape(n, -1)
+    b = grad_out.reshape(n, -1, grad_out.shape[-1])
+    if module.padding_idx is not None:
+        b = b.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
+    return idx, b
+
+
+def _keys(module: nn.Module, idx: Tensor) -> Tensor:
+    n = idx.shape[0]
+    offsets = torch.arange(n, device=idx.device).mul_(module.num_embeddings)
+    return (idx + offsets[:, None]).flatten()
+
+
+@GRAD.register(nn.Embedding)
+def grad_embedding(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight: [N, num_embeddings, embedding_dim]``."""
+    if "weight" not in names:
+        return {}
+    idx, b = _flat(module, inp, grad_out)
+    n, _, d = b.shape
+    g = b.new_zeros(n * module.num_embeddings, d)
+    g.index_add_(0, _keys(module, idx), b.reshape(-1, d))
+    return {"weight": g.view(n, module.num_embeddings, d)}
+
+
+def _segments(module: nn.Module, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+    """Per (sample, row) sums ``[N*T, D]`` and their keys ``sample * V + row`` ``[N*T]``.
+
+    There are at most N*T distinct keys; rows past the last segment stay zero, so whatever
+    key they carry adds nothing downstream.
+    """
+    idx, b = _flat(module, inp, grad_out)
+    d = b.shape[2]
+    key, order = _keys(module, idx).sort()
+    starts = torch.ones_like(key, dtype=torch.bool)
+    starts[1:] = key[1:] != key[:-1]
+    segment = starts.cumsum(0).sub_(1)
+    sums = b.new_zeros(key.shape[0], d).index_add_(0, segment, b.reshape(-1, d)[order])
+    seg_key = torch.zeros_like(key).scatter_(0, segment, key)
+    return sums, seg_key
+
+
+@NORM.register(nn.Embedding)
+def norm_embedding(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Squared per-sample norms ``[N]`` from the touched rows only."""
+    if "weight" not in names:
+        return {}
+    sums, seg_key = _segments(module, inp, grad_out)
+    sq = sums.square().sum(1)
+    out = sq.new_zeros(inp.shape[0]).index_add_(0, seg_key // module.num_embeddings, sq)
+    return {"weight": out}
+
+
+@SUM_SQ.register(nn.Embedding)
+def sum_sq_embedding(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """``sum_n g_n**2`` ``[num_embeddings, embedding_dim]`` from the touched rows only."""
+    if "weight" not in names:
+        return {}
+    sums, seg_key = _segments(module, inp, grad_out)
+    out = sums.new_zeros(module.num_embeddings, sums.shape[1])
+    out.index_add_(0, seg_key % module.num_embeddings, sums.square())
+    return {"weight": out}

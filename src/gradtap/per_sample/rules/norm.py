@@ -1,0 +1,126 @@
+"""Per-sample rules for normalization layers with an affine transform.
+
+All of them compute ``y = x_hat * weight + bias`` with ``x_hat`` normalized within one sample
+(LayerNorm, RMSNorm over the trailing dims; GroupNorm, InstanceNorm over a sample's groups or
+channels; BatchNorm in eval mode with its running statistics), so sample n's gradients are
+``weight: sum (go_n * x_hat_n)`` and ``bias: sum go_n`` over every position that shares a
+parameter element. ``x_hat`` is recomputed from the kept input with the functional op
+without affine parameters. BatchNorm in training mode (or without running statistics)
+normalizes with statistics of the whole batch, which couples the samples: it is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from gradtap.per_sample.table import BATCH_DIM, CHECK, GRAD, batch_first
+
+__all__ = ["grad_batchnorm", "grad_groupnorm", "grad_instancenorm", "grad_layernorm",
+           "grad_rmsnorm"]
+
+BATCH_DIM.register(nn.GroupNorm, _InstanceNorm, _BatchNorm)(batch_first)
+
+
+def _affine(x_hat: Tensor, grad_out: Tensor, names: frozenset[str], shape: tuple[int, ...],
+            channel_first: bool) -> dict[str, Tensor]:
+    """Sum ``go * x_hat`` and ``go`` over every position sharing a parameter element.
+
+    ``shape`` is the parameter's shape; positions are the dims between the sample dim and
+    the parameter's dims (trailing layout) or after the channel dim (channel-first layout).
+    """
+    n = grad_out.shape[0]
+    if channel_first:
+        view, dim = (n, shape[0], -1), 2
+    else:
+        view, dim = (n, -1, *shape), 1
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = (grad_out * x_hat).reshape(view).sum(dim)
+    if "bias" in names:
+        out["bias"] = grad_out.reshape(view).sum(dim)
+    return out
+
+
+def _batched(module: nn.Module, inp: Tensor, least: int) -> None:
+    if inp.dim() < least:
+        raise ValueError(
+            f"{type(module).__name__}: per-sample gradients need a batched input with at least "
+            f"{least} dims ([N, C, ...]), got shape {tuple(inp.shape)}"
+        )
+
+
+@GRAD.register(nn.LayerNorm)
+def grad_layernorm(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight, bias: [N, *normalized_shape]``."""
+    shape = tuple(module.normalized_shape)
+    x_hat = F.layer_norm(inp, shape, None, None, module.eps)
+    return _affine(x_hat, grad_out, names, shape, channel_first=False)
+
+
+@GRAD.register(nn.RMSNorm)
+def grad_rmsnorm(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight: [N, *normalized_shape]``."""
+    shape = tuple(module.normalized_shape)
+    x_hat = F.rms_norm(inp, shape, None, module.eps)
+    return _affine(x_hat, grad_out, names, shape, channel_first=False)
+
+
+@GRAD.register(nn.GroupNorm)
+def grad_groupnorm(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight, bias: [N, num_channels]``."""
+    _batched(module, inp, 2)
+    x_hat = F.group_norm(inp, module.num_groups, None, None, module.eps)
+    return _affine(x_hat, grad_out, names, (module.num_channels,), channel_first=True)
+
+
+def _running(module: nn.Module, inp: Tensor) -> Tensor:
+    shape = (1, -1) + (1,) * (inp.dim() - 2)
+    mean = module.running_mean.view(shape)
+    var = module.running_var.view(shape)
+    return (inp - mean) * torch.rsqrt(var + module.eps)
+
+
+@GRAD.register(_InstanceNorm)
+def grad_instancenorm(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight, bias: [N, num_features]`` (``affine=True``)."""
+    _batched(module, inp, module._get_no_batch_dim() + 1)
+    if module.track_running_stats and not module.training:
+        x_hat = _running(module, inp)
+    else:
+        # No running buffers passed: F.instance_norm would update them in place.
+        x_hat = F.instance_norm(inp, None, None, None, None, True, 0.0, module.eps)
+    return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
+
+
+@CHECK.register(_BatchNorm)
+def check_batchnorm(module: nn.Module) -> str | None:
+    """BatchNorm couples samples unless it is in eval mode with running statistics."""
+    if module.training or module.running_mean is None or module.running_var is None:
+        return (
+            "it normalizes with statistics of the whole batch (training mode or "
+            "track_running_stats=False), so one sample's gradient depends on the others; "
+            "call .eval() on it (with running statistics), or leave it out of select="
+        )
+    return None
+
+
+@GRAD.register(_BatchNorm)
+def grad_batchnorm(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight, bias: [N, num_features]`` (eval mode only)."""
+    _batched(module, inp, 2)
+    x_hat = _running(module, inp)
+    return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
