@@ -96,9 +96,11 @@ def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, float | s
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     args = parser.parse_args(argv)
-    steps, rounds = (2, 1) if args.quick else (10, 7)
-    builders = {"MLP 784-512-512-10, batch 128": _models.mlp,
+    steps, rounds = (2, 1) if args.quick else (args.steps, args.rounds)
+    builders = {"MLP 784-512x3-10, batch 128": _models.mlp,
                 "small CNN, batch 64, 3x32x32": _models.small_cnn,
                 "ResNet-18-like, batch 16, 3x32x32": _models.resnet18_like}
     if args.quick:  # tiny sizes: only checks that the script works
@@ -120,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     table = markdown_table(header, rows)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
           f"interleaved rounds of {steps} steps each")
-    print(table)
+    print(table, flush=True)
     return table
 
 
