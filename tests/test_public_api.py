@@ -12,6 +12,7 @@ import gradtap as gt
 CONTRACT = {
     "records": {"tap", "GradRecord", "explain", "SelectionError", "GradtapError"},
     "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},
+    "detect": {"detect", "Anomaly", "GradientAnomaly", "load_dump"},
     "per_sample": {"per_sample", "UnsupportedModuleError"},
     "monitor": {"Monitor", "Run", "open_run", "to_tensorboard"},
     "transforms": {"Transform", "add_noise", "centralize", "chain", "clip_global_norm",

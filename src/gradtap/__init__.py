@@ -3,6 +3,7 @@
 from gradtap import functional
 from gradtap.capture import Tap, tap
 from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
+from gradtap.detect import Anomaly, detect, load_dump
 from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
 from gradtap.explain import Explanation, explain
 from gradtap.export import to_tensorboard
@@ -32,6 +33,7 @@ from gradtap.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Anomaly",
     "Explanation",
     "GradRecord",
     "GradientAnomaly",
@@ -49,6 +51,7 @@ __all__ = [
     "clip_global_norm",
     "clip_norm",
     "clip_value",
+    "detect",
     "ewma",
     "explain",
     "explicit_conv",
@@ -56,6 +59,7 @@ __all__ = [
     "functional",
     "hessian_trace",
     "hvp",
+    "load_dump",
     "normalize",
     "open_run",
     "per_sample",

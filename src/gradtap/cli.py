@@ -107,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding run.db)")
     p.add_argument("log_dir", metavar="LOG_DIR", help="the TensorBoard log directory to write")
     p.set_defaults(func=_cmd_export_tensorboard)
+
+    p = sub.add_parser(
+        "inspect", help="print the report stored in an anomaly dump",
+        description="Print the report of a dump written by gt.detect(..., dump_dir=DIR) "
+                    "(loaded safely, with weights_only=True).")
+    p.add_argument("dump", metavar="DUMP", help="a dump file written by gt.detect")
+    p.set_defaults(func=_cmd_inspect)
     return parser
 
 
@@ -203,6 +210,17 @@ def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
     try:
         print(export_tensorboard(args.run_dir, args.log_dir))
     except (GradtapError, ImportError) as err:
+        raise _CliError(str(err)) from err
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from gradtap.detect import inspect_main
+    from gradtap.errors import GradtapError
+
+    try:
+        print(inspect_main(args.dump))
+    except (GradtapError, OSError) as err:
         raise _CliError(str(err)) from err
     return 0
 

@@ -1,0 +1,177 @@
+"""Overhead of gt.detect versus a plain step and versus torch.autograd.detect_anomaly.
+
+Run: .venv/bin/python benchmarks/detect_overhead.py [--quick]
+
+Side by side in one run, per model: a plain forward+backward step (``F.cross_entropy``,
+``zero_grad``); ``gt.tap`` alone on every module and the model with records kept until the
+step ends (what gt.detect is built on: the floor under its cost); ``gt.detect`` on every
+module (NaN/Inf, with ``det.check_loss(loss)`` and ``det.step()`` each step, so the forward
+check, the loss check and the backward check all run); the same with ``spike=10``; and the
+step inside ``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
+interleaved rounds (A B C A B C ...), median per step; each variant's hooks exist only while it
+runs.
+
+Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, and a deep narrow net
+(40 x Linear(64, 64) + Tanh), where per-op checks hurt most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _models  # noqa: E402
+import gradtap as gt  # noqa: E402
+from _timing import markdown_table  # noqa: E402
+
+
+def deep_narrow(depth: int = 40, width: int = 64, batch: int = 128,
+                seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """``depth`` x (Linear(width, width) + Tanh), then Linear(width, 10), on [batch, width]."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, 10))
+    g = torch.Generator().manual_seed(seed)
+    return (nn.Sequential(*layers), torch.randn(batch, width, generator=g),
+            torch.randint(0, 10, (batch,), generator=g))
+
+
+def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _tap(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+    """The capture layer alone (every module and the model, records kept until the step
+    ends): the floor under gt.detect's cost."""
+    records: list[gt.GradRecord] = []
+    tap = gt.tap(model, select=lambda name, module: True, store=False, on_record=records.append)
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        records.clear()
+        model.zero_grad(set_to_none=True)
+        tap.clear()
+
+    step.cleanup = tap.remove  # type: ignore[attr-defined]
+    return step
+
+
+def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None
+            ) -> Callable[[], None]:
+    det = gt.detect(model, spike=spike, action="raise")
+
+    def step() -> None:
+        det.check_loss(F.cross_entropy(model(x), y)).backward()
+        model.zero_grad(set_to_none=True)
+        det.step()
+
+    step.cleanup = det.remove  # type: ignore[attr-defined]
+    return step
+
+
+def _anomaly(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        with torch.autograd.detect_anomaly(check_nan=True):
+            F.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] = {
+    "plain": _plain,
+    "tap": _tap,
+    "detect": _detect,
+    "detect_spike": lambda model, x, y: _detect(model, x, y, spike=10.0),
+    "anomaly": _anomaly,
+}
+
+
+def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: int
+                 ) -> dict[str, float]:
+    """Median seconds per step of each variant, in interleaved rounds (round 0 is warmup)."""
+    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for r in range(rounds + 1):
+        for name, make in VARIANTS.items():
+            fn = make(model, x, y)
+            fn()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            elapsed = (time.perf_counter() - start) / steps
+            getattr(fn, "cleanup", lambda: None)()
+            if r:
+                samples[name].append(elapsed)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _steps_for(model: nn.Module, x: Tensor, y: Tensor, budget: float, cap: int) -> int:
+    """Steps per round so that one variant's round takes about ``budget`` seconds."""
+    step = _plain(model, x, y)
+    step()
+    start = time.perf_counter()
+    step()
+    return max(2, min(cap, int(budget / max(time.perf_counter() - start, 1e-6))))
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
+    args = parser.parse_args(argv)
+    # detect_anomaly warns that it is slow, once per use.
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+    rounds = 1 if args.quick else 7
+    if args.quick:
+        builders = {"MLP, batch 8": lambda: _models.mlp(batch=8),
+                    "deep narrow 4 x (Linear(16, 16) + Tanh), batch 8":
+                        lambda: deep_narrow(depth=4, width=16, batch=8)}
+    else:
+        builders = {"MLP (_models.mlp), batch 128": _models.mlp,
+                    "small CNN (_models.small_cnn), batch 64": _models.small_cnn,
+                    "ResNet-18-like, batch 16": _models.resnet18_like,
+                    "deep narrow 40 x (Linear(64, 64) + Tanh), batch 128": deep_narrow}
+    rows = []
+    for label, build in builders.items():
+        model, x, y = build()
+        steps = 1 if args.quick else _steps_for(model, x, y, budget=0.5, cap=20)
+        t = _interleaved(model, x, y, steps=steps, rounds=rounds)
+        base = t["plain"]
+
+        def cell(v: float, base: float = base) -> str:
+            return f"{v * 1e3:.2f} ms ({v / base:.2f}x)"
+
+        def share(v: float, base: float = base, ref: float = t["anomaly"] - base) -> str:
+            return f"{(v - base) / ref:.2f}" if ref > 0 else "-"
+
+        rows.append([label, f"{base * 1e3:.2f} ms ({steps} steps)", cell(t["tap"]),
+                     cell(t["detect"]), cell(t["detect_spike"]), cell(t["anomaly"]),
+                     f"{share(t['detect'])} / {share(t['detect_spike'])}"])
+    header = ["model", "plain step", "gt.tap alone (floor)", "gt.detect", "gt.detect(spike=10)",
+              "detect_anomaly(check_nan=True)",
+              "overhead over plain / detect_anomaly's (detect / spike=10)"]
+    table = markdown_table(header, rows)
+    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
+          "interleaved rounds (steps per round in the plain column)")
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Find where gradients break: the origin of NaN, Inf and gradient spikes, with dumps.
+
+``gt.detect(model)`` watches every forward and backward through the capture layer and
+reports, per event, the innermost module where a non-finite value first appeared (or the
+loss, as ``"<loss>"``), the slot, NaN/Inf counts, the ranges of the module's forward tensors
+and parameters against their dtype, and a hint. See :func:`detect`.
+"""
+
+from __future__ import annotations
+
+from gradtap.detect._anomaly import LOSS, Anomaly, AnomalyWarning
+from gradtap.detect._core import Detector, detect
+from gradtap.detect._dump import DumpError, format_dump, inspect_main, load_dump
+
+__all__ = [
+    "LOSS",
+    "Anomaly",
+    "AnomalyWarning",
+    "Detector",
+    "DumpError",
+    "detect",
+    "format_dump",
+    "inspect_main",
+    "load_dump",
+]

@@ -1,0 +1,712 @@
+"""gt.detect: planted faults found at the exact module and slot, spikes against a naive float64
+EWMA loop, dumps that load safely, cheapness (two host syncs per step, none in the hooks)."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import importlib
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gradtap as gt
+from gradtap.detect import AnomalyWarning, Detector, DumpError, _core, format_dump, inspect_main
+from tests._models import assert_no_hooks
+
+# -- planted faults ---------------------------------------------------------------------------
+
+
+class SqrtOfInput(nn.Module):
+    """A custom module: NaN for negative inputs in forward, Inf gradient at 0 in backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sqrt(x)
+
+
+class _Times(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        return g * ctx.factor, None
+
+
+class _PlusInf(torch.autograd.Function):
+    """Identity in forward; adds +Inf to the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g + math.inf
+
+
+class BadInputGrad(nn.Module):
+    """Finite forward; its backward sends +Inf to its input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _PlusInf.apply(x) * 2.0
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear whose weight gradient is multiplied by ``factor`` (1 = plain Linear)."""
+
+    factor = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, _Times.apply(self.weight, self.factor), self.bias)
+
+
+class GradScaler(nn.Module):
+    """Identity whose backward multiplies the gradient by ``factor``."""
+
+    factor = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Times.apply(x, self.factor)
+
+
+def twenty_layers(fault_at: int | None = 10, fault: type[nn.Module] = SqrtOfInput) -> nn.Sequential:
+    """20 layers alternating Linear(16, 16) and Tanh, with ``fault()`` at index ``fault_at``."""
+    layers: list[nn.Module] = []
+    for i in range(20):
+        if i == fault_at:
+            layers.append(fault())
+        else:
+            layers.append(nn.Linear(16, 16) if i % 2 == 0 else nn.Tanh())
+    return nn.Sequential(*layers)
+
+
+def first_nonfinite_output(net: nn.Sequential, x: Tensor) -> tuple[int, Tensor]:
+    """Oracle: run the layers one by one; index of the first non-finite output, and its input."""
+    h = x
+    with torch.no_grad():
+        for i, layer in enumerate(net):
+            out = layer(h)
+            if not torch.isfinite(out).all():
+                return i, h
+            h = out
+    raise AssertionError("the planted fault made nothing non-finite")
+
+
+@pytest.fixture(params=["eager", "deferred"])
+def mode(request, monkeypatch):
+    """Run a test with every record measured as it arrives (CPU records with large
+    gradients) and with every record kept and reduced once at the end of the backward (small
+    CPU records, and all records on accelerators)."""
+    monkeypatch.setattr(_core, "EAGER_ON_CPU", request.param == "eager")
+    monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
+    return request.param
+
+
+def catch(fn) -> gt.Anomaly:
+    with pytest.raises(gt.GradientAnomaly) as info:
+        fn()
+    assert isinstance(info.value, FloatingPointError)
+    assert isinstance(info.value.anomaly, gt.Anomaly)
+    assert str(info.value) == info.value.anomaly.message
+    return info.value.anomaly
+
+
+# -- forward origin ---------------------------------------------------------------------------
+
+
+def test_sqrt_of_negative_in_the_middle_of_a_20_layer_net_is_the_forward_origin():
+    torch.manual_seed(0)
+    net = twenty_layers(10)
+    x = torch.randn(8, 16)
+    index, fault_input = first_nonfinite_output(net, x)
+    assert index == 10
+    with gt.detect(net) as det:
+        a = catch(lambda: F.mse_loss(net(x), torch.zeros(8, 16)).backward())
+    assert (a.module_name, a.module_type, a.kind, a.where, a.slot, a.step, a.call) == (
+        "10", "SqrtOfInput", "nan", "forward", "output", 0, 0)
+    assert det.anomalies == [a] and det.should_skip()
+    # Exact counts: sqrt saved its result for backward, so the output is still there.
+    assert (a.nan, a.inf, a.numel) == (int((fault_input < 0).sum()), 0, fault_input.numel())
+    assert a.record is not None and a.record.module_name == "10"  # the backward still ran
+    # The report: module path and type, slot, the input range and the hint.
+    lo = float(fault_input.min())
+    assert "'10' (SqrtOfInput, call 0)" in a.message and "output 'output'" in a.message
+    assert f"{lo:.4g}" in a.message and "sqrt, log or a fractional pow" in a.message
+    assert "float32" in a.message
+
+
+def test_forward_origin_counts_are_exact_when_dumps_keep_forward_tensors(tmp_path):
+    torch.manual_seed(1)
+    net = twenty_layers(10)
+    x = torch.randn(8, 16)
+    _, fault_input = first_nonfinite_output(net, x)
+    with gt.detect(net, action="record", dump_dir=tmp_path) as det:
+        net(x).sum().backward()
+    (a,) = det.anomalies
+    assert (a.nan, a.inf, a.numel) == (int((fault_input < 0).sum()), 0, fault_input.numel())
+    assert f"holds {a.nan} NaN and 0 Inf of {a.numel} elements" in a.message
+
+
+def test_the_innermost_module_is_reported_not_its_ancestors():
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), SqrtOfInput()))
+    net = nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(16, 4)).sum().backward()
+    assert [(a.module_name, a.where, a.slot) for a in det.anomalies] == [
+        ("1.1.1", "forward", "output")]
+
+
+@pytest.mark.parametrize(("value", "kind"),
+                         [(math.nan, "nan"), (math.inf, "inf"), (-math.inf, "inf")])
+def test_nan_or_inf_planted_by_a_forward_hook(value, kind):
+    torch.manual_seed(0)
+    net = twenty_layers(None)
+
+    def plant(module, args, out):
+        out = out.clone()
+        out[0, 3] = value
+        return out
+
+    net[6].register_forward_hook(plant)  # before detect: detect sees the planted output
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(4, 16)).sum().backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.module_type, a.kind, a.where, a.slot) == (
+        "6", "Linear", kind, "forward", "output")
+    net[6]._forward_hooks.clear()
+
+
+def test_a_non_finite_parameter_and_a_non_finite_input_are_named_as_such():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        with torch.no_grad():
+            net[2].weight[1, 0] = math.inf
+        net(torch.randn(3, 4)).sum().backward()
+        det.step()
+        with torch.no_grad():
+            net[2].weight[1, 0] = 0.5
+        x = torch.randn(3, 4)
+        x[1, 1] = math.nan
+        net(x).sum().backward()
+        det.step()
+    assert [(a.module_name, a.kind, a.where, a.slot, a.step, a.nan, a.inf)
+            for a in det.anomalies] == [("2", "inf", "forward", "weight", 0, 0, 1),
+                                        ("0", "nan", "forward", "input", 1, 1, 0)]
+    assert "optimizer step" in det.anomalies[0].message
+    assert "check the data" in det.anomalies[1].message
+
+
+def test_fp16_overflow_is_found_at_the_overflowing_layer():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8), nn.Linear(8, 4)).half()
+    with torch.no_grad():
+        net[2].weight.fill_(20000.0)
+        net[2].bias.zero_()
+    x = torch.randn(4, 8).half()
+    # Oracle: in float32 the same layer goes beyond float16's largest value; before it, all fits.
+    h = torch.sigmoid(net[0](x))
+    assert torch.isfinite(h).all()
+    assert (F.linear(h.float(), net[2].weight.float()).abs().max() > torch.finfo(torch.float16).max)
+    with gt.detect(net, action="record") as det:
+        det.check_loss(net(x).float().sum()).backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.record) == (
+        "2", "inf", "forward", "output", None)  # found by check_loss: before the backward
+    assert "float16 overflow" in a.message and "largest finite number 65504" in a.message
+    assert "overflow  " in a.message  # the output's "of dtype max" column
+    # Exact counts: the next Linear saved this output for its backward, and check_loss looked
+    # before the backward released it.
+    expected = F.linear(h.float(), net[2].weight.float()).abs() > torch.finfo(torch.float16).max
+    assert (a.nan, a.inf) == (0, int(expected.sum()))
+
+
+def test_nan_made_by_unselected_code_in_the_models_own_forward_is_blamed_on_the_model():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc2(torch.log(self.fc1(x)))
+
+    torch.manual_seed(0)
+    net = Net()
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(8, 4)).sum().backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.module_type, a.where, a.slot) == ("", "Net", "forward", "output")
+    assert "the model itself" in a.message and "outside the selected modules" in a.message
+
+
+# -- backward origin --------------------------------------------------------------------------
+
+
+def test_backward_only_inf_from_sqrt_at_zero(mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    # Oracle: a finite forward, and the gradient the sqrt sends to its input, by autograd.grad.
+    h = net[1](net[0](x)).detach().requires_grad_()
+    out = net[3](net[2](h))
+    assert torch.isfinite(out).all()
+    (g,) = torch.autograd.grad(out.sum(), h)
+    assert torch.isinf(g).any()
+    with gt.detect(net, action="record") as det:
+        net(x).sum().backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.module_type, a.kind, a.where, a.slot) == (
+        "2", "SqrtOfInput", "inf", "grad_input", "x")
+    assert (a.nan, a.inf) == (int(torch.isnan(g).sum()), int(torch.isinf(g).sum()))
+    assert torch.equal(a.record.grad_inputs["x"], g)
+    assert "reaches 0" in a.message and "sqrt(x + eps)" in a.message
+
+
+def test_custom_function_backward_faults_at_known_modules_and_slots(mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), BadInputGrad(), nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(3, 4)).sum().backward()
+    assert [(a.module_name, a.kind, a.where, a.slot) for a in det.anomalies] == [
+        ("2", "inf", "grad_input", "x")]
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), ScaledLinear(4, 4), nn.Linear(4, 2))
+    net[2].factor = math.nan
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(3, 4)).sum().backward()
+    assert [(a.module_name, a.kind, a.where, a.slot) for a in det.anomalies] == [
+        ("2", "nan", "param_grad", "weight")]
+
+
+def test_backward_origin_is_the_innermost_module(mode):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), BadInputGrad())
+    net = nn.Sequential(nn.Linear(4, 4), block, nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(3, 4)).sum().backward()
+    assert [(a.module_name, a.where) for a in det.anomalies] == [("1.1", "grad_input")]
+
+
+# -- the loss ---------------------------------------------------------------------------------
+
+
+def test_nan_loss_with_check_loss_is_reported_as_the_loss():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    assert (net(x) < 0).any()  # so log(output) is NaN somewhere: a NaN loss, finite gradients
+    with gt.detect(net) as det:
+        a = catch(lambda: det.check_loss(torch.log(net(x)).mean()).backward())
+    assert (a.module_name, a.module_type, a.kind, a.where, a.slot, a.call) == (
+        "<loss>", "loss", "nan", "forward", "loss", None)
+    assert (a.nan, a.inf, a.numel) == (1, 0, 1) and len(det.anomalies) == 1
+    assert "loss function" in a.message
+
+
+def test_non_finite_loss_gradient_is_reported_as_the_loss_without_check_loss(mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    with gt.detect(net, action="record") as det:
+        out = net(torch.randn(16, 4))
+        (out - out.detach()).sqrt().sum().backward()  # loss 0, dL/d(output) = +Inf
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.inf) == (
+        "<loss>", "inf", "grad_output", "output", 16)
+
+
+# -- spikes -----------------------------------------------------------------------------------
+
+
+def _spike_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), ScaledLinear(16, 16), nn.Tanh(),
+                         GradScaler(), nn.Linear(16, 3))
+
+
+def _naive_spikes(norms: list[dict[tuple[str, str], float]], spike: float, warmup: int,
+                  beta: float) -> tuple[list[tuple[int, str, str]], dict]:
+    """DESIGN.md's EWMA written as a plain float64 loop; a spiking value is not fed in."""
+    state: dict[tuple[str, str], list[float]] = {}
+    spikes = []
+    for step, values in enumerate(norms):
+        for key, v in values.items():
+            if key in state:
+                m, var, n = state[key]
+                if n >= max(warmup, 1) and v > spike * m:
+                    spikes.append((step, *key, v, spike * m))
+                    continue
+                d = v - m
+                state[key] = [m + (1 - beta) * d, beta * (var + (1 - beta) * d * d), n + 1]
+            else:
+                state[key] = [v, 0.0, 1]
+    return spikes, state
+
+
+def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
+    net = _spike_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    norms = []
+    skips = []
+    with gt.detect(net, spike=10.0, warmup=10, action="record") as det:
+        for step in range(40):
+            net[2].factor = 1000.0 if step == 30 else 1.0
+            x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+            # Run the layers by hand to keep each output's gradient for the oracle.
+            outs, h = [], x
+            for layer in net:
+                h = layer(h)
+                h.retain_grad()
+                outs.append(h)
+            F.cross_entropy(h, y).backward()
+            values = {}
+            for i, layer in enumerate(net):
+                values[(str(i), "grad_output")] = float(outs[i].grad.double().norm())
+                own = [p.grad.double().reshape(-1) for p in layer.parameters(recurse=False)]
+                if own:
+                    values[(str(i), "param_grad")] = float(torch.cat(own).norm())
+            norms.append(values)
+            skips.append(det.should_skip())
+            if not skips[-1]:
+                opt.step()
+            opt.zero_grad()
+            det.step()
+    spikes, state = _naive_spikes(norms, 10.0, 10, 0.9)
+    assert [s[:3] for s in spikes] == [(30, "2", "param_grad")]
+    assert [(a.step, a.module_name, a.kind, a.where, a.slot) for a in det.anomalies] == [
+        (30, "2", "spike", "param_grad", "weight,bias")]
+    a = det.anomalies[0]
+    assert a.value == pytest.approx(spikes[0][3], rel=1e-5)
+    assert a.threshold == pytest.approx(spikes[0][4], rel=1e-5)
+    assert skips == [step == 30 for step in range(40)]
+    for key, (m, var, _) in state.items():
+        got_m, got_v = det.ewma(*key)
+        assert got_m == pytest.approx(m, rel=1e-5)
+        assert got_v == pytest.approx(var, rel=1e-4, abs=1e-12)
+
+
+def test_a_grad_output_spike_is_reported_once_where_it_enters(mode):
+    net = _spike_net()
+    g = torch.Generator().manual_seed(1)
+    with gt.detect(net, spike=10.0, warmup=5, action="record") as det:
+        for step in range(12):
+            net[4].factor = 500.0 if step == 8 else 1.0
+            x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+            F.cross_entropy(net(x), y).backward()
+            net.zero_grad()
+            det.step()
+    # Every module before the scaler sees the spike; only the first in backward order is named.
+    assert [(a.step, a.module_name, a.where) for a in det.anomalies] == [(8, "3", "grad_output")]
+
+
+def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                        nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, 20, generator=g) * 2
+    with gt.detect(net, spike=10.0) as det:
+        for _ in range(300):
+            y = torch.randint(0, 4, (32,), generator=g)
+            x = centers[y] + torch.randn(32, 20, generator=g)
+            det.check_loss(F.cross_entropy(net(x), y)).backward()
+            assert not det.should_skip()
+            opt.step()
+            opt.zero_grad()
+            det.step()
+    assert det.anomalies == [] and det.steps_done == 300
+    assert det.ewma("2", "param_grad")[0] > 0 and det.ewma("3", "grad_output")[0] > 0
+
+
+# -- actions, steps, skipping -----------------------------------------------------------------
+
+
+def test_actions_warn_and_record_and_step_numbers():
+    torch.manual_seed(0)
+    net = twenty_layers(None)
+    step_to_poison = 2
+
+    def plant(module, args, out):
+        return out * math.nan if det.steps_done == step_to_poison else out
+
+    net[4].register_forward_hook(plant)
+    with gt.detect(net, action="warn") as det:
+        for step in range(4):
+            loss = net(torch.randn(2, 16)).sum()
+            if step == step_to_poison:
+                with pytest.warns(AnomalyWarning, match=r"NaN in the forward of '4' \(Linear"):
+                    loss.backward()
+            else:
+                loss.backward()
+            assert det.should_skip() == (step == step_to_poison)
+            det.step()
+    assert [(a.step, a.module_name) for a in det.anomalies] == [(2, "4")]
+    net[4]._forward_hooks.clear()
+
+
+def test_forward_without_backward_is_checked_by_check_step_and_exit():
+    torch.manual_seed(0)
+    net = twenty_layers(10)
+    x = torch.randn(2, 16)
+    det = gt.detect(net, action="record")
+    net(x)
+    found = det.check()
+    assert [(a.module_name, a.record) for a in found] == [("10", None)]
+    assert det.check() == []
+    net(x)
+    det.step()
+    assert [a.step for a in det.anomalies] == [0, 0]
+    det.remove()
+    with gt.detect(net) as det2:
+        net(x)
+        with pytest.raises(gt.GradientAnomaly, match="'10'"):
+            det2.step()
+    assert det2.steps_done == 1
+    with pytest.raises(gt.GradientAnomaly, match="'10'"):
+        with gt.detect(net):
+            net(x)
+    assert_no_hooks(net)
+
+
+def test_gradient_accumulation_names_the_call_that_broke():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), SqrtOfInput(), nn.Linear(4, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(0.1)
+        net[0].bias.fill_(0.5)
+    with gt.detect(net, action="record") as det:
+        net(torch.rand(3, 4)).sum().backward()  # positive: finite (call 0)
+        net(-torch.ones(3, 4) * 10).sum().backward()  # negative: call 1 breaks
+        det.step()
+    assert [(a.module_name, a.call, a.step) for a in det.anomalies] == [("2", 1, 0)]
+
+
+# -- dumps ------------------------------------------------------------------------------------
+
+
+class Evil:
+    """Any class: pickled into a tampered dump."""
+
+
+def test_dumps_hold_the_full_record_and_load_with_weights_only(tmp_path, mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4))
+    with gt.detect(net, action="record", dump_dir=tmp_path / "dumps") as det:
+        net(torch.randn(8, 16)).sum().backward()
+        det.step()
+        net(-torch.ones(2, 16) * 1e3).sum().backward()  # ReLU gives 0: sqrt at 0 again
+    a = det.anomalies[0]
+    files = sorted((tmp_path / "dumps").iterdir())
+    assert [str(f) for f in files] == sorted(x.dump_path for x in det.anomalies)
+    raw = torch.load(a.dump_path, weights_only=True)
+    dump = gt.load_dump(a.dump_path)
+    assert raw.keys() == dump.keys() and dump["report"] == a.message
+    assert dump["anomaly"] == a.to_dict()
+    rec = dump["record"]
+    for part in ("grad_inputs", "grad_outputs", "param_grads", "inputs", "outputs"):
+        mine = getattr(a.record, part)
+        assert rec[part].keys() == mine.keys() and part
+        for k, t in mine.items():
+            assert (t is None and rec[part][k] is None) or torch.equal(rec[part][k], t)
+    assert rec["inputs"]["x"].min() == 0  # the forward input that explains the Inf
+    assert dump["module_state"] == {}  # SqrtOfInput has no state
+    text = inspect_main(a.dump_path)
+    assert text.startswith(a.message) and "record of '2' (SqrtOfInput, call 0)" in text
+    assert format_dump(dump) == text
+    assert "gradtap inspect" in a.message
+
+
+def test_dump_of_a_forward_anomaly_has_forward_tensors_and_module_state(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[1].bias[0] = math.nan
+    with gt.detect(net, action="record", dump_dir=tmp_path) as det:
+        net(torch.randn(3, 4))
+        det.step()  # forward only: no record, the kept forward tensors are dumped
+    (a,) = det.anomalies
+    dump = gt.load_dump(a.dump_path)
+    assert (a.module_name, a.slot) == ("1", "bias")
+    assert dump["record"]["grad_inputs"] == {} and dump["record"]["inputs"]["input"].shape == (3, 4)
+    assert torch.isnan(dump["record"]["outputs"]["output"]).any()
+    assert set(dump["module_state"]) == {"weight", "bias"}
+    assert torch.isnan(dump["module_state"]["bias"][0])
+
+
+def test_tampered_or_foreign_dumps_are_refused(tmp_path):
+    tampered = tmp_path / "tampered.pt"
+    torch.save({"format": "gradtap.detect.dump", "version": 1, "report": "x", "x": Evil()},
+               tampered)
+    with pytest.raises(DumpError, match=r"refusing to load .*tampered\.pt.*weights_only=True"):
+        gt.load_dump(tampered)
+    with pytest.raises(ValueError, match="Unsupported global"):
+        gt.load_dump(tampered)  # DumpError is a ValueError, and names the offending global
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    with pytest.raises(DumpError, match="is not a gradtap detect dump"):
+        gt.load_dump(foreign)
+    future = tmp_path / "future.pt"
+    torch.save({"format": "gradtap.detect.dump", "version": 99}, future)
+    with pytest.raises(DumpError, match="version 99; this gradtap reads version 1"):
+        gt.load_dump(future)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    with pytest.raises(DumpError, match="not a readable torch file"):
+        gt.load_dump(garbage)
+    with pytest.raises(FileNotFoundError):
+        gt.load_dump(tmp_path / "missing.pt")
+
+
+# -- contract details -------------------------------------------------------------------------
+
+
+def test_anomaly_to_dict_is_plain_and_json_serialisable():
+    torch.manual_seed(0)
+    net = twenty_layers(10)
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(4, 16)).sum().backward()
+    d = det.anomalies[0].to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert {"module_name", "kind", "where", "step", "message", "slot", "module_type"} <= set(d)
+    assert "record" not in d
+
+
+def test_invalid_arguments_raise_clear_errors(tmp_path):
+    net = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="detect\\(\\) needs an nn.Module; got str"):
+        gt.detect("net")
+    with pytest.raises(ValueError,
+                       match="action must be one of 'raise', 'warn', 'record'; got 'log'"):
+        gt.detect(net, action="log")
+    for bad in (0.5, 1.0, True, math.inf, "10"):
+        with pytest.raises(ValueError, match="spike must be None or a finite factor > 1"):
+            gt.detect(net, spike=bad)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+            gt.detect(net, warmup=bad)
+    with pytest.raises(ValueError, match="spike_beta must be a factor with 0 <= beta < 1"):
+        gt.detect(net, spike=10.0, spike_beta=1.0)
+    with pytest.raises(ValueError, match="nothing to detect: nonfinite=False and spike=None"):
+        gt.detect(net, nonfinite=False)
+    with pytest.raises(gt.SelectionError, match="matches no module"):
+        gt.detect(net, select="1*")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        gt.detect(net, dump_dir=tmp_path / "file")
+    with gt.detect(net, spike=10.0) as det:
+        with pytest.raises(TypeError, match="check_loss\\(\\) needs a Tensor; got float"):
+            det.check_loss(1.0)
+        with pytest.raises(KeyError, match="no spike EWMA for module '0' kind 'param_grad'"):
+            det.ewma("0")
+    assert_no_hooks(net)
+
+
+def test_hooks_are_removed_and_the_model_is_unchanged():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    state = copy.deepcopy(net.state_dict())
+    with gt.detect(net, spike=10.0) as det:
+        net(torch.randn(5, 4)).sum().backward()
+        det.step()
+    assert_no_hooks(net)
+    with pytest.raises(RuntimeError, match="boom"):
+        with gt.detect(net):
+            net(torch.randn(5, 4))
+            raise RuntimeError("boom")
+    assert_no_hooks(net)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, state[k]) or k.startswith("1.")  # BatchNorm's running statistics
+    pickle.dumps(net)
+    det = gt.detect(net)
+    det.remove()
+    det.remove()
+    assert_no_hooks(net)
+    assert isinstance(det, Detector) and "Detector" in repr(det)
+
+
+# -- cheapness --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [3, 30])
+def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, depth, mode):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    net = nn.Sequential(*layers, nn.Linear(8, 2))
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    copies = []
+    real = _core._to_host
+    monkeypatch.setattr(_core, "_to_host", lambda parts: copies.append(len(parts)) or real(parts))
+    with gt.detect(net, spike=10.0) as det:
+        det.check_loss(F.cross_entropy(net(x), y)).backward()
+        det.step()
+        # One copy for the forward (at check_loss); the deferred path adds one at the end of
+        # the backward, whatever the depth. The eager path reads CPU norms directly.
+        assert len(copies) == (1 if mode == "eager" else 2)
+        # Nothing may read a tensor value on the host while the step runs.
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+            monkeypatch.setattr(torch.Tensor, name, _forbidden(name))
+        det.check_loss(F.cross_entropy(net(x), y)).backward()
+        assert not det.should_skip()
+        det.step()
+        monkeypatch.undo()
+    assert len(copies) == (2 if mode == "eager" else 4)
+
+
+def test_cpu_records_are_not_kept_unless_they_may_be_reported(monkeypatch):
+    monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), SqrtOfInput(), nn.Linear(4, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(0.1)
+        net[0].bias.fill_(0.5)
+    kept = []
+    real = _core.Detector._check_backward
+    with gt.detect(net, action="record") as det:
+        det._check_backward = lambda back: (kept.append(
+            [p.name for p in back.plans if p.rec is not None]), real(det, back))[1]
+        net(torch.rand(8, 4)).sum().backward()  # positive everywhere: healthy, nothing kept
+        det.step()
+        net(-10 * torch.ones(8, 4)).sum().backward()  # sqrt at 0: the Inf and what it reached
+        det.step()
+    assert kept[0] == []
+    assert "2" in kept[1] and "3" not in kept[1]  # '3' ran before the Inf: finite, dropped
+    assert [(a.module_name, a.where) for a in det.anomalies] == [("2", "grad_input")]
+
+
+def _forbidden(name: str):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"Tensor.{name} called during a healthy step (a host sync)")
+
+    return fail
+
+
+@pytest.mark.parametrize("name", ["gradtap.detect._core", "gradtap.detect._dump"])
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_benchmark_script_runs_quick():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import detect_overhead
+    finally:
+        sys.path.pop(0)
+    table = detect_overhead.main(["--quick"])
+    assert table.count("\n") == 3 and "gt.detect" in table and "detect_anomaly" in table
