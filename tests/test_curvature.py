@@ -15,22 +15,8 @@ from torch.func import functional_call
 import gradtap as gt
 from gradtap.errors import SelectionError
 
-# torch.func.hessian's forward-mode pass loads torch's jvp decompositions, which call the
-# deprecated torch.jit.script once per process (a torch-internal warning).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
-)
-
 DT = torch.float64
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add contention on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_net(seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:

@@ -20,22 +20,8 @@ from torch.func import grad, jvp, vmap
 import gradtap as gt
 from gradtap.functional import conv, conv_input_grad, conv_weight_grad
 
-# The first forward-mode AD call of a process loads torch's jvp decompositions, which calls the
-# deprecated torch.jit.script (a torch-internal warning, not ours).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
-)
-
 DT = torch.float64
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add contention on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 ATOL = 1e-10
