@@ -777,7 +777,11 @@ class Detector:
             else:
                 values[j] = math.sqrt(total)
         present = np.flatnonzero(~np.isnan(values))
-        if len(present):
+        if len(present) == len(values):  # the usual step: every norm is there, update in place
+            ops.ewma_update_(self._ewma_mean, self._ewma_var, torch.from_numpy(values),
+                             self.spike_beta)
+            self._ewma_count += 1
+        elif len(present):
             idx = torch.from_numpy(present)
             mean, var = self._ewma_mean[idx], self._ewma_var[idx]
             ops.ewma_update_(mean, var, torch.from_numpy(values[present]), self.spike_beta)
