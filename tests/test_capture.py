@@ -18,8 +18,6 @@ import gradtap as gt
 from tests._models import ResNetLike, assert_no_hooks
 from tests._oracle import assert_close_or_none, oracle_calls
 
-torch.set_default_dtype(torch.float64)
-
 
 @pytest.fixture(autouse=True)
 def _float64():

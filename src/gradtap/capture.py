@@ -35,7 +35,7 @@ from gradtap._types import KeepLiteral, Selector
 from gradtap.record import GradRecord, flatten_tensors, map_tensors
 from gradtap.select import select_modules
 
-__all__ = ["HookSet", "Tap", "legacy_backward_grads", "tap"]
+__all__ = ["HookSet", "Tap", "at_end_of_backward", "legacy_backward_grads", "tap"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _graph_task_id = torch._C._current_graph_task_id
@@ -114,7 +114,7 @@ class _ModuleInfo:
     """What a tap needs to know about one selected module, resolved once."""
 
     __slots__ = ("name", "type_name", "param_names", "param_by_id", "positional", "varargs",
-                 "clone_inputs", "calls", "module_ref")
+                 "clone_inputs", "calls", "module_ref", "empty_param_grads")
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -123,6 +123,7 @@ class _ModuleInfo:
         named = list(module.named_parameters())
         self.param_names = [n for n, _ in named]
         self.param_by_id = {id(p): n for n, p in named}
+        self.empty_param_grads: dict[str, Tensor | None] = dict.fromkeys(self.param_names)
         self.positional, self.varargs = _argument_names(module)
         # An in-place module overwrites its input: a kept input must be copied before the call.
         self.clone_inputs = bool(getattr(module, "inplace", False))
@@ -153,14 +154,14 @@ class _Call:
 
     __slots__ = ("info", "index", "grad_inputs", "grad_outputs", "param_grads", "inputs",
                  "outputs", "input_edges", "start", "expected", "remaining", "touched",
-                 "last_fire", "out_versions", "notes", "fwd_inputs")
+                 "last_fire", "out_versions", "fwd_inputs")
 
     def __init__(self, info: _ModuleInfo, index: int) -> None:
         self.info = info
         self.index = index
         self.grad_inputs: dict[str, Tensor | None] = {}
         self.grad_outputs: dict[str, Tensor | None] = {}
-        self.param_grads: dict[str, Tensor | None] = dict.fromkeys(info.param_names)
+        self.param_grads: dict[str, Tensor | None] = info.empty_param_grads.copy()
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.input_edges: dict[tuple[Any, int], str] = {}
@@ -170,7 +171,6 @@ class _Call:
         self.touched = False
         self.last_fire = 0
         self.out_versions: list[tuple[str, weakref.ref[Tensor], int]] = []
-        self.notes: list[str] = []
         self.fwd_inputs: dict[str, Tensor] = {}
 
 
@@ -288,12 +288,9 @@ class Tap:
 
     def _note_inputs(self, call: _Call, args: tuple, kwargs: dict) -> tuple | None:
         info = call.info
-        flat = [(path, t) for i, a in enumerate(args)
-                for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
-        flat += [(path, t) for k, v in kwargs.items()
-                 for path, t in flatten_tensors(v, k, under_prefix=True)]
+        flat = _flat_arguments(info, args, kwargs)
         replaced = None
-        if len({id(t) for _, t in flat}) < len(flat):
+        if len(flat) > 1 and len({id(t) for _, t in flat}) < len(flat):
             # The same tensor passed twice: give each later occurrence its own alias node so
             # each argument's gradient can be told apart.
             seen: set[int] = set()
@@ -306,28 +303,28 @@ class Tap:
 
             args, kwargs = map_tensors(args, alias_repeat), map_tensors(kwargs, alias_repeat)
             replaced = (args, kwargs)
-            flat = [(path, t) for i, a in enumerate(args)
-                    for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
-            flat += [(path, t) for k, v in kwargs.items()
-                     for path, t in flatten_tensors(v, k, under_prefix=True)]
+            flat = _flat_arguments(info, args, kwargs)
         if self._on_forward is not None:
             call.fwd_inputs = dict(flat)
+        grad_inputs, input_edges = call.grad_inputs, call.input_edges
         for path, t in flat:
-            call.grad_inputs[path] = None
+            grad_inputs[path] = None
             if t.requires_grad:
-                if t.grad_fn is not None:
-                    call.input_edges[(t.grad_fn, t.output_nr)] = path
+                fn = t.grad_fn
+                if fn is not None:
+                    input_edges[(fn, t.output_nr)] = path
                 else:
                     edge = get_gradient_edge(t)
-                    call.input_edges[(edge.node, edge.output_nr)] = path
-            if self._keep_inputs:
+                    input_edges[(edge.node, edge.output_nr)] = path
+        if self._keep_inputs:
+            for path, t in flat:
                 kept = t.detach().clone() if info.clone_inputs else t.detach()
                 call.inputs[path] = kept if self._to is None else kept.to(self._to)
         return replaced
 
     def _note_outputs(self, call: _Call, module: nn.Module, output: Any) -> Any:
         start = call.start
-        outs = flatten_tensors(output, "output")
+        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
         # An output that was not made by this call (an input or parameter returned as is) gets
         # an alias node, so "via this call" has a node to hang on.
         if any(_passes_through(t, start) for _, t in outs):
@@ -473,7 +470,7 @@ class Tap:
             # Calls whose hooked nodes do not all run in this backward (an unused output, a
             # branch cut by the loss) are finished when the backward ends.
             self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            at_end_of_backward(self._end_of_backward)
 
     def _fired(self, call: _Call) -> None:
         call.last_fire = next(self._fires)
@@ -491,14 +488,13 @@ class Tap:
     def _finish(self, call: _Call) -> None:
         if not call.touched:
             return
-        notes = list(call.notes)
+        notes: list[str] = []
         for path, ref, version in call.out_versions:
             t = ref()
             if t is not None and t._version != version and t._base is not None:
                 notes.append(
                     f"output {path!r} is a view that was modified in place after the call; "
-                    "gradient that reached it through that change bypassed this record"
-                )
+                    "gradient that reached it through that change bypassed this record")
         to = self._to
         rec = GradRecord(
             module_name=call.info.name,
@@ -511,12 +507,13 @@ class Tap:
             outputs=call.outputs,
             notes=tuple(notes),
         )
-        # Ready for another backward through the same graph (retain_graph=True).
+        # Ready for another backward through the same graph (retain_graph=True); the record
+        # owns the old slot dicts.
         call.touched = False
         call.remaining = call.expected
         call.grad_inputs = dict.fromkeys(call.grad_inputs)
         call.grad_outputs = dict.fromkeys(call.grad_outputs)
-        call.param_grads = dict.fromkeys(call.param_grads)
+        call.param_grads = call.info.empty_param_grads.copy()
         if self._store:
             self.records.append(rec)
         if self._on_record is not None:
@@ -576,6 +573,15 @@ def tap(
                rewrite_param_grad=rewrite_param_grad)
 
 
+def at_end_of_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` once, when the backward now running has finished.
+
+    Only valid inside a backward (from a node or tensor hook); consumers use it to do one
+    check per backward instead of one per record.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]) -> tuple[HookSet, dict[str, list[tuple]]]:
     """Install the legacy ``register_backward_hook`` on ``modules`` to see its ``grad_input``.
 
@@ -602,6 +608,17 @@ def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]) -> tuple[Hoo
     return hooks, seen
 
 
+def _flat_arguments(info: _ModuleInfo, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` for every tensor in a call's arguments, named as in the records."""
+    if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common case, fast
+        return [(info.arg_name(i), a) for i, a in enumerate(args)]
+    flat = [(path, t) for i, a in enumerate(args)
+            for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
+    flat += [(path, t) for k, v in kwargs.items()
+             for path, t in flatten_tensors(v, k, under_prefix=True)]
+    return flat
+
+
 def _passes_through(t: Tensor, start: int) -> bool:
     if not t.requires_grad:
         return False
@@ -621,7 +638,7 @@ def _accumulate(current: Tensor | None, grad: Tensor | None) -> Tensor | None:
 
 def _moved(slots: dict[str, Tensor | None], to: torch.device | None) -> dict[str, Tensor | None]:
     if to is None:
-        return dict(slots)
+        return slots
     return {k: (v.to(to) if v is not None else None) for k, v in slots.items()}
 
 

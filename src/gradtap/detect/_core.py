@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
 from gradtap._types import Selector
-from gradtap.capture import tap
+from gradtap.capture import at_end_of_backward, tap
 from gradtap.detect._anomaly import (
     LOSS,
     Anomaly,
@@ -356,7 +356,7 @@ class Detector:
             # The first record of a backward.
             self._queued_task = task
             self._back = _Backward(cpu=EAGER_ON_CPU and _on_cpu(rec))
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            at_end_of_backward(self._end_of_backward)
             try:
                 # The forward is complete, and most of its tensors are still alive (saved
                 # for backward), so exact counts are usually still possible.
