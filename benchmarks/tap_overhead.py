@@ -1,17 +1,30 @@
-"""Overhead of gt.tap versus a plain step and versus no-op full backward hooks.
+"""Overhead of gt.tap versus a plain step, no-op full backward hooks, and hand-written hooks.
 
-Run: .venv/bin/python benchmarks/tap_overhead.py [--quick]
+Run: .venv/bin/python benchmarks/tap_overhead.py [--quick] [--allocator default|no-trim|both]
 
 Side by side in one run, per model: a plain forward+backward step; a no-op
-``register_full_backward_hook`` on every leaf module (the hand-written alternative; it raises
-when an in-place op follows a hooked module, as in ResNet's ReLU(inplace=True)); and
-``gt.tap`` on every module keeping gradients only, with ``tap.clear()`` each step.
+``register_full_backward_hook`` on every leaf module (the usual hand-written hook; it raises
+when an in-place op follows a hooked module, as in ResNet's ReLU(inplace=True)); hand-written
+tensor hooks that keep what a tap keeps (every module's output gradient and every parameter
+gradient) until the step ends; and ``gt.tap`` on every module keeping gradients only, with
+``tap.clear()`` each step. Each cell gives the median time per step, its ratio to the plain
+step, and the minor page faults per step (memory the process had to get fresh from the OS).
+
+Why two allocator settings: keeping every gradient of a step means the backward cannot reuse
+the memory of gradients it has consumed, and when the records are dropped glibc's malloc hands
+that memory back to the OS, so the next step pays page faults for it again. ``--allocator
+no-trim`` reruns the table in a child process with ``MALLOC_TRIM_THRESHOLD_`` and
+``MALLOC_MMAP_THRESHOLD_`` set (freed memory stays in the process, as with jemalloc or
+tcmalloc), for every variant alike; ``both`` (the default) prints the two tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -27,6 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _timing import markdown_table  # noqa: E402
+
+# glibc malloc tunables: never return freed heap memory to the OS, never mmap a block.
+NO_TRIM_ENV = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**31)}
+HEADER = ["model", "plain step", "no-op full_backward_hook on every leaf",
+          "hand-written hooks keeping the same gradients", "gt.tap on every module"]
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -53,6 +71,28 @@ def _with_full_hooks(model, x, y) -> Callable[[], None] | str:
     return step
 
 
+def _with_kept_grads(model, x, y) -> Callable[[], None]:
+    """A step whose tensor hooks keep every module's output gradient and every parameter's
+    gradient until the step ends: the memory a tap's records hold, with no bookkeeping."""
+    kept: list[torch.Tensor] = []
+    keep = kept.append
+
+    def on_output(mod: nn.Module, args: tuple, out: object) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(keep)
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules() if m is not model]
+    handles += [p.register_hook(keep) for p in model.parameters()]
+    plain = _step(model, x, y)
+
+    def step() -> None:
+        plain()
+        kept.clear()
+
+    step.cleanup = lambda: [h.remove() for h in handles]  # type: ignore[attr-defined]
+    return step
+
+
 def _with_tap(model, x, y) -> Callable[[], None]:
     tap = gt.tap(model)  # every submodule, gradients only
     plain = _step(model, x, y)
@@ -65,12 +105,18 @@ def _with_tap(model, x, y) -> Callable[[], None]:
     return step
 
 
-def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, float | str]:
-    """Median seconds per step of each variant, timed in interleaved rounds; each variant's
-    hooks are installed only while it runs, so they cannot slow the others down."""
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, tuple[float, float] | str]:
+    """Per variant: (median seconds per step, minor page faults per step), timed in
+    interleaved rounds, or why it cannot run. Each variant's hooks are installed only while it
+    runs, so they cannot slow the others down."""
     makers = {"plain": lambda: _step(model, x, y), "hooks": lambda: _with_full_hooks(model, x, y),
-              "tap": lambda: _with_tap(model, x, y)}
+              "kept": lambda: _with_kept_grads(model, x, y), "tap": lambda: _with_tap(model, x, y)}
     samples: dict[str, list[float]] = {name: [] for name in makers}
+    faults: dict[str, list[float]] = {name: [] for name in makers}
     errors: dict[str, str] = {}
     for r in range(rounds + 1):  # round 0 is warmup
         for name, make in makers.items():
@@ -81,24 +127,23 @@ def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, float | s
                 errors[name] = fn
                 continue
             fn()
+            before = _minor_faults()
             start = time.perf_counter()
             for _ in range(steps):
                 fn()
             elapsed = (time.perf_counter() - start) / steps
+            faulted = (_minor_faults() - before) / steps
             getattr(fn, "cleanup", lambda: None)()
             if r:
                 samples[name].append(elapsed)
-    out: dict[str, float | str] = {k: statistics.median(v) for k, v in samples.items() if v}
+                faults[name].append(faulted)
+    out: dict[str, tuple[float, float] | str] = {
+        k: (statistics.median(v), statistics.median(faults[k])) for k, v in samples.items() if v}
     out.update(errors)
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed round (default 5)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    args = parser.parse_args(argv)
+def _table(args: argparse.Namespace) -> str:
     steps, rounds = (2, 1) if args.quick else (args.steps, args.rounds)
     builders = {"MLP 784-512x3-10, batch 128": _models.mlp,
                 "small CNN, batch 64, 3x32x32": _models.small_cnn,
@@ -112,18 +157,45 @@ def main(argv: Sequence[str] | None = None) -> str:
         model, x, y = build()
         t = _interleaved(model, x, y, steps=steps, rounds=rounds)
         base = t["plain"]
-        assert isinstance(base, float)
+        assert isinstance(base, tuple)
 
-        def cell(v: float | str, base: float = base) -> str:
-            return v if isinstance(v, str) else f"{v * 1e3:.2f} ms ({v / base:.2f}x)"
+        def cell(v: tuple[float, float] | str, base: float = base[0]) -> str:
+            if isinstance(v, str):
+                return v
+            return f"{v[0] * 1e3:.2f} ms ({v[0] / base:.2f}x), {v[1]:.0f} faults"
 
-        rows.append([label, f"{base * 1e3:.2f} ms", cell(t["hooks"]), cell(t["tap"])])
-    header = ["model", "plain step", "no-op full_backward_hook on every leaf", "gt.tap on every module"]
-    table = markdown_table(header, rows)
-    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
-          f"interleaved rounds of {steps} steps each")
+        rows.append([label, cell(base), cell(t["hooks"]), cell(t["kept"]), cell(t["tap"])])
+    malloc = "glibc malloc, no trim (" + ", ".join(f"{k}={v}" for k, v in NO_TRIM_ENV.items()) + \
+        ")" if all(os.environ.get(k) == v for k, v in NO_TRIM_ENV.items()) else "default allocator"
+    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {malloc}; median "
+          f"of {rounds} interleaved rounds of {steps} steps each; faults = minor page faults "
+          "per step", flush=True)
+    table = markdown_table(HEADER, rows)
     print(table, flush=True)
     return table
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--allocator", choices=("default", "no-trim", "both"), default="both",
+                        help="run under the default allocator, glibc without trimming, or both")
+    args = parser.parse_args(argv)
+    tables = []
+    if args.allocator in ("default", "both"):
+        tables.append(_table(args))
+    if args.allocator in ("no-trim", "both"):
+        print(flush=True)
+        # The tunables are read when the process starts: run the table in a child process.
+        cmd = [sys.executable, __file__, "--allocator", "default", "--steps", str(args.steps),
+               "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
+        child = subprocess.run(cmd, env={**os.environ, **NO_TRIM_ENV}, check=True,
+                               capture_output=True, text=True)
+        print(child.stdout, end="", flush=True)
+        tables.append(child.stdout.split("\n", 1)[1].strip())
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":
