@@ -549,6 +549,61 @@ def test_attention_matches_torch_func(data: st.DataObject) -> None:
         close(ps.variance[k], r.var(0, correction=0), f"variance {k}")
 
 
+class SharedInputAttention(nn.Module):
+    """MultiheadAttention whose projections share inputs: q = k = v, or k = v only."""
+
+    def __init__(self, att: nn.MultiheadAttention, shared: str, mask: Tensor | None) -> None:
+        super().__init__()
+        self.att, self.shared, self.mask = att, shared, mask
+        self.fc = nn.Linear(att.embed_dim, 3)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        t = 1 if self.att.batch_first else 0
+        q = x if self.shared == "qkv" else x.flip(t) * 0.5
+        a, _ = self.att(q, x, x, key_padding_mask=pad, attn_mask=self.mask, need_weights=False)
+        return self.fc(a.mean(t, keepdim=True)).squeeze(t)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("shared", ["qkv", "kv"])
+@pytest.mark.parametrize(("batch_first", "zero_attn", "mask"),
+                         [(True, False, "none"), (False, True, "bool"), (True, True, "float")])
+def test_attention_with_shared_projection_inputs(shared: str, batch_first: bool, zero_attn: bool,
+                                                 mask: str, chunked: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Projections reading one tensor are replayed as one packed piece, a chunk at a time."""
+    # The replay in one chunk of all samples, or one chunk per sample.
+    size = 1 if chunked else None
+    monkeypatch.setattr(rules.attention, "chunks",
+                        lambda n, per_sample, limit: table.chunks(n, 1, size or n))
+    n, t, e = 3, 4, 4
+    att = nn.MultiheadAttention(e, 2, batch_first=batch_first, add_zero_attn=zero_attn)
+    attn_mask = {"none": None, "bool": torch.ones(t, t, dtype=torch.bool).triu(1),
+                 "float": torch.randn(t, t)}[mask]
+    model = SharedInputAttention(att, shared, attn_mask)
+    b = 0 if batch_first else 1
+    x = torch.randn(n, t, e).movedim(0, b)
+    pad = torch.rand(n, t) < 0.3
+    pad[:, 0] = False
+    if mask == "float":  # masks of one kind (torch deprecates mixing them)
+        pad = torch.zeros(n, t).masked_fill_(pad, float("-inf"))
+    y = torch.randint(0, 3, (n,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def f(p: dict[str, Tensor], xn: Tensor, padn: Tensor, yn: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, p, (xn.unsqueeze(b), padn[None])), yn[None])
+
+    ref = vmap(grad(f), in_dims=(None, b, 0, 0))(params, x, pad, y)
+    for quantities in (ALL, ("norm", "variance")):
+        with gt.per_sample(model, quantities=quantities, batch_dim=b) as ps:
+            F.cross_entropy(model(x, pad), y).backward()
+        for k, r in ref.items():
+            if "grad" in quantities:
+                close(ps.grad[k], r, f"grad {k}")
+            close(ps.norms[k], r.flatten(1).norm(dim=1), f"norm {k}")
+            close(ps.variance[k], r.var(0, correction=0), f"variance {k}")
+
+
 def test_transformer_encoder_layer() -> None:
     layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
     model = nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 3))

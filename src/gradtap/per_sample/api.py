@@ -245,7 +245,7 @@ class PerSample:
                     names[rel] = qual
         materialize = self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
         with torch.no_grad():
-            compute = self._computer(owner, rec, scale, frozenset(names))
+            compute = self._computer(owner, rec, scale, frozenset(names), materialize)
             if materialize:
                 self._add_grads(owner, names, compute.grads())
             else:
@@ -253,16 +253,18 @@ class PerSample:
         owner.seen.update(names)
 
     def _computer(self, owner: _Owner, rec: GradRecord, scale: float,
-                  names: frozenset[str]) -> _Compute:
+                  names: frozenset[str], materialize: bool = True) -> _Compute:
         if owner.rule is not None and "output" in rec.grad_outputs and rec.inputs:
             inp = next(iter(rec.inputs.values())).movedim(self.batch_dim, 0)
             go = rec.grad_outputs["output"]
             if go is not None:
                 go = go.movedim(self.batch_dim, 0)
-                # Rules are linear in grad_out: scale it, or their results if those are smaller.
+                # Rules are linear in grad_out: scale it, or their results if those are smaller
+                # (norms and sums of squares, [N] and param-shaped, always are).
                 params = dict(owner.module.named_parameters())
                 results = go.shape[0] * sum(params[k].numel() for k in names if k in params)
-                after = scale if go.numel() > results and not owner.parametrized else 1.0
+                smaller = not materialize or go.numel() > results
+                after = scale if smaller and not owner.parametrized else 1.0
                 if after == 1.0:
                     go = go * scale
                 cls = _ParametrizedCompute if owner.parametrized else _RuleCompute

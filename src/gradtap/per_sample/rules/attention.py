@@ -5,10 +5,19 @@ The module's parameters act only through linear maps: the query, key and value p
 ``out_proj``, which the module uses without calling it. Their per-sample gradients follow
 from each map's input and the gradient w.r.t. its output. The first are the record's inputs
 and the attention output's gradient; the others need the backward of the attention core
-alone, which is replayed once for the whole batch: the projections are recomputed, made
-leaves, and passed through the attention core exactly as ``F.multi_head_attention_forward``
-treats them (masks, ``add_zero_attn``, heads, ``scaled_dot_product_attention``). Then the
-Linear formulas give gradients, norms (ghost or direct) and sums of squares.
+alone, which is replayed for the whole batch, a chunk of samples at a time so that its
+temporaries (``[N, H, T, S]`` attention matrices included) stay within the size of the
+tensors the call was given. The projections are recomputed and passed through the attention
+core exactly as ``F.multi_head_attention_forward`` treats them (masks, ``add_zero_attn``,
+heads, the softmax of scaled dot products), and the core's backward is written out by hand,
+in the transposed ``[N, H, D, L]`` layout that needs no copies: no autograd graph, so no
+``torch.autograd.grad`` inside backward (whose first call imports sympy, ~30 MiB). Softmax
+backward is ``P * (dP - rowsum(dO * O))``. Then the Linear formulas give gradients, norms
+(ghost or direct) and sums of squares.
+
+Projections that read the same tensor (self-attention: query, key and value; or key and
+value) are computed and returned as one piece: one matrix product for the packed rows, and
+one Gram matrix of the shared input for the ghost norm instead of three.
 
 Calls the replay cannot reproduce return ``None`` and go to the ``torch.func`` fallback:
 ``bias_k``/``bias_v`` (a per-sample gradient of a key appended to every sample), a gradient
@@ -18,12 +27,15 @@ weights in training mode cannot be replayed by either and is refused.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradtap.errors import UnsupportedModuleError
-from gradtap.per_sample.table import BATCH_DIM, PIECES, Piece
+from gradtap.per_sample.table import BATCH_DIM, PIECES, Piece, chunks
 
 __all__ = ["pieces_attention"]
 
@@ -35,36 +47,110 @@ def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
-def _core(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-          attn_mask: Tensor | None) -> Tensor:
-    """The attention between projections ``[T, N, E]``, ``[S, N, E]``: the context ``[T, N, E]``.
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether two (detached) tensors view the very same memory the same way."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
 
-    Follows ``F.multi_head_attention_forward`` step by step (without the projections, which
-    are the caller's leaves): masks made additive and merged, ``add_zero_attn``, heads, and
-    ``scaled_dot_product_attention``.
-    """
-    t, n, e = q.shape
+
+class _Group:
+    """Projections (of ``q``, ``k``, ``v``: ``blocks``) that read one input ``x`` ``[N, L, F]``."""
+
+    def __init__(self, name: str, x: Tensor, blocks: list[int], weight: Tensor,
+                 bias: Tensor | None) -> None:
+        self.name, self.x, self.blocks = name, x, blocks
+        self.weight, self.bias = weight, bias
+        # d s_n / d (projection output), transposed: ``[N, rows, L]``, the layout in which the
+        # attention backward produces it and the Linear formulas multiply with it.
+        self.grad_t = x.new_empty(x.shape[0], weight.shape[0], x.shape[1])
+
+    def project_t(self, sl: slice) -> list[Tensor]:
+        """The projections of samples ``sl``, transposed: ``[n, E, L]`` per block, contiguous."""
+        x_t = self.x[sl].transpose(1, 2)
+        weights = self.weight.chunk(len(self.blocks))
+        biases = [None] * len(weights) if self.bias is None else self.bias.chunk(len(weights))
+        return [_left(w, x_t) if b is None else _left(w, x_t).add_(b[:, None])
+                for w, b in zip(weights, biases, strict=True)]
+
+
+def _left(w: Tensor, x_t: Tensor) -> Tensor:
+    """``w @ x_t[n]`` for every n, ``[n, O, L]`` contiguous (``matmul`` would transpose a copy)."""
+    return torch.bmm(w.expand(x_t.shape[0], *w.shape), x_t)
+
+
+def _groups(module: nn.Module, xs: list[Tensor]) -> list[_Group]:
+    """Group q, k, v projections by shared input, in row order (q, k, v)."""
+    e = module.embed_dim
+    bias = module.in_proj_bias
+    if not module._qkv_same_embed_dim:
+        names = ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+        return [_Group(names[j], xs[j], [j], getattr(module, names[j]),
+                       None if bias is None else bias[j * e:(j + 1) * e]) for j in range(3)]
+    spans: list[list[int]] = [[0]]
+    for j in (1, 2):
+        if _same(xs[j], xs[spans[-1][-1]]):
+            spans[-1].append(j)
+        else:
+            spans.append([j])
+    weight = module.in_proj_weight
+    return [_Group("in_proj_weight", xs[span[0]], span,
+                   weight[span[0] * e:(span[-1] + 1) * e],
+                   None if bias is None else bias[span[0] * e:(span[-1] + 1) * e])
+            for span in spans]
+
+
+class _Masks(NamedTuple):
+    attn: Tensor | None  # [1 or N, 1 or H, T, S], additive
+    pad: Tensor | None  # [N, 1, 1, S], additive
+
+    def take(self, sl: slice) -> Tensor | None:
+        attn = self.attn
+        if attn is not None and attn.shape[0] > 1:
+            attn = attn[sl]
+        if self.pad is None:
+            return attn
+        return self.pad[sl] if attn is None else attn + self.pad[sl]
+
+
+def _masks(module: nn.Module, inputs: dict[str, Tensor], n: int, t: int, s: int,
+           dtype: torch.dtype) -> _Masks:
     h = module.num_heads
-    d = e // h
-    q, k, v = (x.reshape(x.shape[0], n * h, d).transpose(0, 1) for x in (q, k, v))
-    key_padding_mask = _float_mask(key_padding_mask, q.dtype)
-    attn_mask = _float_mask(attn_mask, q.dtype)
-    if attn_mask is not None and attn_mask.dim() == 2:
-        attn_mask = attn_mask.unsqueeze(0)
-    if module.add_zero_attn:
-        k = torch.cat([k, k.new_zeros(n * h, 1, d)], dim=1)
-        v = torch.cat([v, v.new_zeros(n * h, 1, d)], dim=1)
-        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
-        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    s = k.shape[1]
-    if key_padding_mask is not None:
-        pad = key_padding_mask.view(n, 1, 1, s).expand(-1, h, -1, -1).reshape(n * h, 1, s)
-        attn_mask = pad if attn_mask is None else attn_mask + pad
-    if attn_mask is not None:
-        attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else attn_mask.view(n, h, -1, s)
-    out = F.scaled_dot_product_attention(q.view(n, h, t, d), k.view(n, h, s, d),
-                                         v.view(n, h, s, d), attn_mask=attn_mask)
-    return out.permute(2, 0, 1, 3).reshape(t, n, e)
+    attn = _float_mask(inputs.get("attn_mask"), dtype)
+    if attn is not None:
+        attn = attn.reshape(1, 1, t, s) if attn.dim() == 2 else attn.reshape(n, h, t, s)
+    pad = _float_mask(inputs.get("key_padding_mask"), dtype)
+    if pad is not None:
+        pad = pad.reshape(n, 1, 1, s)
+    if module.add_zero_attn:  # the appended zero key is never masked
+        attn = None if attn is None else F.pad(attn, (0, 1))
+        pad = None if pad is None else F.pad(pad, (0, 1))
+    return _Masks(attn, pad)
+
+
+def _core_backward(q_t: Tensor, k_t: Tensor, v_t: Tensor, d_out_t: Tensor,
+                   mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Context and gradients of the attention core ``softmax(q k^T * scale + mask) v``.
+
+    Everything is transposed, ``[N, H, D, L]``, the layout in which the projections come out
+    of (and their gradients go into) the Linear formulas without a copy: ``q_t`` ``[.., T]``,
+    ``k_t``, ``v_t`` ``[.., S]``, ``d_out_t`` ``[.., T]`` (the gradient w.r.t. the context).
+    Returns ``(context_t, dq_t, dk_t, dv_t)``.
+    """
+    scores = torch.matmul(q_t.transpose(-1, -2), k_t).mul_(scale)  # [N, H, T, S]
+    if mask is not None:
+        scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1)
+    del scores
+    context_t = torch.matmul(v_t, probs.transpose(-1, -2))
+    dv_t = torch.matmul(d_out_t, probs)
+    d_scores = torch.matmul(d_out_t.transpose(-1, -2), v_t)
+    # softmax backward: P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(d_out * context)
+    row = (d_out_t * context_t).sum(-2).unsqueeze(-1)
+    d_scores.sub_(row).mul_(probs).mul_(scale)
+    del probs
+    dq_t = torch.matmul(k_t, d_scores.transpose(-1, -2))
+    dk_t = torch.matmul(q_t, d_scores)
+    return context_t, dq_t, dk_t, dv_t
 
 
 @BATCH_DIM.register(nn.MultiheadAttention)
@@ -74,6 +160,7 @@ def batch_dim_attention(module: nn.Module) -> int:
 
 
 @PIECES.register(nn.MultiheadAttention)
+@torch.no_grad()
 def pieces_attention(
     module: nn.Module,
     inputs: dict[str, Tensor],
@@ -91,32 +178,44 @@ def pieces_attention(
             "gradients depend on dropout masks that cannot be replayed; call .eval() on it or "
             "set dropout=0"
         )
-    seq_first = [inputs[k] for k in ("query", "key", "value")]
-    if module.batch_first:  # F.multi_head_attention_forward works on [T, N, E]
-        seq_first = [t.transpose(0, 1) for t in seq_first]
+    xs = [inputs[k] for k in ("query", "key", "value")]
+    if not module.batch_first:  # [T, N, E] -> [N, T, E] (views)
+        xs = [x.transpose(0, 1) for x in xs]
         go = go.transpose(0, 1)
+    n, t, e = go.shape
+    s = xs[1].shape[1]
+    h = module.num_heads
+    zero_attn = int(module.add_zero_attn)
     go = go * scale
-    if module._qkv_same_embed_dim:
-        weights = module.in_proj_weight.chunk(3)
-        weight_names = ["in_proj_weight"] * 3
-    else:
-        weights = [module.q_proj_weight, module.k_proj_weight, module.v_proj_weight]
-        weight_names = ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
-    biases = module.in_proj_bias.chunk(3) if module.in_proj_bias is not None else [None] * 3
-    projected = [F.linear(t, w, b).detach().requires_grad_()
-                 for t, w, b in zip(seq_first, weights, biases, strict=True)]
-    with torch.enable_grad():
-        context = _core(module, *projected, inputs.get("key_padding_mask"),
-                        inputs.get("attn_mask"))
-        grads = torch.autograd.grad(context, projected, go @ module.out_proj.weight)
-
-    def bf(t: Tensor) -> Tensor:
-        return t.transpose(0, 1)
-
-    pieces = [Piece(n, bf(x), bf(g)) for n, x, g in zip(weight_names, seq_first, grads, strict=True)]
+    groups = _groups(module, xs)
+    masks = _masks(module, inputs, n, t, s, go.dtype)
+    context_t = go.new_empty(n, e, t)
+    head_scale = 1.0 / math.sqrt(e // h)
+    # Temporaries per sample: q, k, v and the context's gradient (transposed), and two
+    # [H, T, S] attention matrices. They stay within the size of what the call was given
+    # (no MIN_BUDGET floor: this replay runs inside backward, on top of the peak).
+    width = s + zero_attn
+    per_sample = e * (2 * t + 2 * width) + 2 * h * t * width
+    limit = sum(x.numel() for x in {id(g.x): g.x for g in groups}.values()) + go.numel()
+    blocks = [(g, j) for g in groups for j in g.blocks]  # q, k, v
+    for sl in chunks(n, per_sample, limit):
+        q_t, k_t, v_t = (p.view(p.shape[0], h, e // h, -1)
+                         for g in groups for p in g.project_t(sl))
+        if zero_attn:
+            k_t, v_t = F.pad(k_t, (0, 1)), F.pad(v_t, (0, 1))
+        d_out_t = _left(module.out_proj.weight.t(), go[sl].transpose(1, 2))
+        ctx_t, *grads = _core_backward(q_t, k_t, v_t, d_out_t.view(q_t.shape), masks.take(sl),
+                                       head_scale)
+        context_t[sl] = ctx_t.view(-1, e, t)
+        for (g, j), grad in zip(blocks, grads, strict=True):
+            if j and zero_attn:  # drop the appended zero key and value
+                grad = grad[..., :s]
+            i = g.blocks.index(j)
+            g.grad_t[sl, i * e:(i + 1) * e] = grad.reshape(-1, e, grad.shape[-1])
+    pieces = [Piece(g.name, g.x, g.grad_t.transpose(1, 2)) for g in groups]
     if module.in_proj_bias is not None:
-        pieces += [Piece("in_proj_bias", None, bf(g)) for g in grads]
-    pieces.append(Piece("out_proj.weight", bf(context.detach()), bf(go)))
+        pieces += [Piece("in_proj_bias", None, g.grad_t.transpose(1, 2)) for g in groups]
+    pieces.append(Piece("out_proj.weight", context_t.transpose(1, 2), go))
     if module.out_proj.bias is not None:
-        pieces.append(Piece("out_proj.bias", None, bf(go)))
+        pieces.append(Piece("out_proj.bias", None, go))
     return pieces

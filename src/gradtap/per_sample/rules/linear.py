@@ -130,17 +130,25 @@ def _piece(rule: Rule, piece: Piece) -> Tensor:
 
 def grad_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tensor]:
     """Per-sample gradients ``[N, *param.shape]`` of the parameters the pieces use."""
-    return {k: torch.cat([_piece(grad_linear, p) for p in ps], dim=1)
+    return {k: _cat([_piece(grad_linear, p) for p in ps], 1)
             for k, ps in _by_name(pieces, names).items()}
 
 
 def norm_sq_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tensor]:
     """Squared per-sample norms ``[N]``: row blocks add up."""
-    return {k: torch.stack([_piece(norm_linear, p) for p in ps]).sum(0)
-            for k, ps in _by_name(pieces, names).items()}
+    out = {}
+    for k, ps in _by_name(pieces, names).items():
+        parts = [_piece(norm_linear, p) for p in ps]
+        out[k] = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+    return out
 
 
 def sum_sq_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tensor]:
     """``sum_n g_n**2`` ``param.shape``, row blocks concatenated."""
-    return {k: torch.cat([_piece(sum_sq_linear, p) for p in ps], dim=0)
+    return {k: _cat([_piece(sum_sq_linear, p) for p in ps], 0)
             for k, ps in _by_name(pieces, names).items()}
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    """``torch.cat`` without the copy of a lone part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
