@@ -588,3 +588,35 @@ def test_parameters_swapped_in_by_functional_call():
         for p_name, g in rec.param_grads.items():
             assert torch.equal(g, params[f"{rec.module_name}.{p_name}"].grad)
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_on_forward_gets_the_call_index_of_the_records():
+    """on_forward sees each call with the index its record will carry, including calls that
+    return None (they count as calls but have no backward, hence no record)."""
+
+    class Sometimes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x, skip=False):
+            return None if skip else self.lin(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Sometimes()
+
+        def forward(self, x):
+            a = self.block(x)
+            self.block(x, skip=True)
+            return self.block(a) * 2
+
+    net = Net()
+    seen = []
+    with gt.tap(net, "block", on_forward=lambda name, call, mod, ins, outs: seen.append(
+            (name, call, mod is net.block, sorted(outs)))) as t:
+        net(torch.randn(2, 3)).sum().backward()
+    assert seen == [("block", 0, True, ["output"]), ("block", 1, True, []),
+                    ("block", 2, True, ["output"])]
+    assert sorted(r.call for r in t.find("block")) == [0, 2]

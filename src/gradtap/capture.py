@@ -43,7 +43,7 @@ _AccumulateGrad = torch._C._functions.AccumulateGrad
 _INPUT, _PARAM = 0, 1
 
 RecordCallback = Callable[[GradRecord], None]
-ForwardCallback = Callable[[str, nn.Module, dict[str, Tensor], dict[str, Tensor]], None]
+ForwardCallback = Callable[[str, int, nn.Module, dict[str, Tensor], dict[str, Tensor]], None]
 RewriteSlot = Callable[[str, str, Tensor], "Tensor | None"]
 RewriteParam = Callable[[str, int, str, Tensor], "Tensor | None"]
 
@@ -277,7 +277,7 @@ class Tap:
 
         def forward_hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             call = open_calls.pop() if open_calls else None
-            if call is None or output is None:
+            if call is None:
                 return None
             return self._note_outputs(call, mod, output)
 
@@ -350,7 +350,7 @@ class Tap:
         call.input_edges = {}  # the walk is done; do not keep graph nodes alive through it
 
         if self._on_forward is not None:
-            self._on_forward(call.info.name, module, call.fwd_inputs, dict(outs))
+            self._on_forward(call.info.name, call.index, module, call.fwd_inputs, dict(outs))
             call.fwd_inputs = {}
         return returned
 
@@ -546,7 +546,8 @@ def tap(
         to: a device to move everything the records hold to (e.g. ``"cpu"``).
         on_record: called with each record as it completes (possibly inside backward).
         store: keep records in ``.records``; ``False`` only passes them to ``on_record``.
-        on_forward: ``(name, module, inputs, outputs)`` after each tapped forward call.
+        on_forward: ``(name, call, module, inputs, outputs)`` after each tapped forward call
+            (``call`` as in the records; ``outputs`` is empty for a call that returned None).
         rewrite_grad_output: ``(name, path, grad) -> grad | None``: replace dL/d(output) as it
             enters the module's backward.
         rewrite_grad_input: ``(name, key, grad) -> grad | None``: replace what the call sends

@@ -182,7 +182,6 @@ class Detector:
         self._modules: dict[str, nn.Module] = dict(model.named_modules())
         self._step = 0
         self._skip = False
-        self._calls: dict[str, int] = {}
         self._measured = _Measured()
         self._back: _Backward | None = None  # what the running backward collected
         self._queued_task: int | None = None
@@ -275,7 +274,6 @@ class Detector:
             self._totals = {}
             self._flagged = set()
             self._forward_batches.clear()
-            self._calls = {}
             self._back = None
             self._queued_task = None
             self._forward_bad = False
@@ -320,10 +318,8 @@ class Detector:
 
     # -- hooks (no host sync here) ------------------------------------------------------------
 
-    def _on_forward(self, name: str, module: nn.Module, inputs: dict[str, Tensor],
+    def _on_forward(self, name: str, call: int, module: nn.Module, inputs: dict[str, Tensor],
                     outputs: dict[str, Tensor]) -> None:
-        call = self._calls.get(name, 0)
-        self._calls[name] = call + 1
         m = self._measured
         seen = m.seen
         ins: list[tuple[str, int]] = []

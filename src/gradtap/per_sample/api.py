@@ -207,7 +207,7 @@ class PerSample:
 
     # -- hooks (forward, then backward) -----------------------------------------------------
 
-    def _on_forward(self, name: str, module: nn.Module, inputs: dict[str, Tensor],
+    def _on_forward(self, name: str, call: int, module: nn.Module, inputs: dict[str, Tensor],
                     outputs: dict[str, Tensor]) -> None:
         owner = self._owners[name]
         owner.calls += 1
