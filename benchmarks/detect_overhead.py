@@ -3,11 +3,11 @@
 Run: .venv/bin/python benchmarks/detect_overhead.py [--quick]
 
 Side by side in one run, per model: a plain forward+backward step (``F.cross_entropy``,
-``zero_grad``); ``gt.tap`` alone on every module and the model itself, records dropped as
-they come (what gt.detect is built on: the floor under its cost); ``gt.detect`` on every
-module (NaN/Inf, with ``det.check_loss(loss)`` and ``det.step()`` each step, so the forward
-check, the loss check and the backward check all run); the same with ``spike=10``; and the
-step inside ``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
+``zero_grad``); ``gt.detect`` on every module, the default watch (a light screen; a replay
+would run only after an anomaly, so never here), with ``det.check_loss(loss)`` and
+``det.step()`` each step; the same with ``replay=False`` (every call captured as it runs);
+the same with ``spike=10`` (which uses the per-call watch); and the step inside
+``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
 interleaved rounds (A B C A B C ...), median per step; each variant's hooks exist only while it
 runs.
 
@@ -57,24 +57,9 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
     return step
 
 
-def _tap(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
-    """The capture layer alone on every module and the model itself, as gt.detect installs
-    it, with records dropped as they come: the floor under gt.detect's cost."""
-    tap = gt.tap(model, select=lambda name, module: True, store=False,
-                 on_record=lambda rec: None, on_forward=lambda *args: None)
-
-    def step() -> None:
-        F.cross_entropy(model(x), y).backward()
-        model.zero_grad(set_to_none=True)
-        tap.clear()
-
-    step.cleanup = tap.remove  # type: ignore[attr-defined]
-    return step
-
-
-def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None
-            ) -> Callable[[], None]:
-    det = gt.detect(model, spike=spike, action="raise")
+def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None,
+            replay: bool | None = None) -> Callable[[], None]:
+    det = gt.detect(model, spike=spike, action="raise", replay=replay)
 
     def step() -> None:
         det.check_loss(F.cross_entropy(model(x), y)).backward()
@@ -96,8 +81,8 @@ def _anomaly(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
 
 VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] = {
     "plain": _plain,
-    "tap": _tap,
     "detect": _detect,
+    "detect_calls": lambda model, x, y: _detect(model, x, y, replay=False),
     "detect_spike": lambda model, x, y: _detect(model, x, y, spike=10.0),
     "anomaly": _anomaly,
 }
@@ -159,12 +144,13 @@ def main(argv: Sequence[str] | None = None) -> str:
         def share(v: float, base: float = base, ref: float = t["anomaly"] - base) -> str:
             return f"{(v - base) / ref:.2f}" if ref > 0 else "-"
 
-        rows.append([label, f"{base * 1e3:.2f} ms ({steps} steps)", cell(t["tap"]),
-                     cell(t["detect"]), cell(t["detect_spike"]), cell(t["anomaly"]),
-                     f"{share(t['detect'])} / {share(t['detect_spike'])}"])
-    header = ["model", "plain step", "gt.tap alone (floor)", "gt.detect", "gt.detect(spike=10)",
-              "detect_anomaly(check_nan=True)",
-              "overhead over plain / detect_anomaly's (detect / spike=10)"]
+        rows.append([label, f"{base * 1e3:.2f} ms ({steps} steps)", cell(t["detect"]),
+                     cell(t["detect_calls"]), cell(t["detect_spike"]), cell(t["anomaly"]),
+                     f"{share(t['detect'])} / {share(t['detect_calls'])} / "
+                     f"{share(t['detect_spike'])}"])
+    header = ["model", "plain step", "gt.detect", "gt.detect(replay=False)",
+              "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
+              "overhead / detect_anomaly's (detect / replay=False / spike=10)"]
     table = markdown_table(header, rows)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
           "interleaved rounds (steps per round in the plain column)")

@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gradtap as gt
-from gradtap.detect import AnomalyWarning, Detector, DumpError, _core, format_dump, inspect_main
+from gradtap.detect import (
+    AnomalyWarning,
+    Detector,
+    DumpError,
+    _core,
+    _host,
+    format_dump,
+    inspect_main,
+)
 from tests._models import assert_no_hooks
 
 # -- planted faults ---------------------------------------------------------------------------
@@ -104,11 +112,13 @@ def first_nonfinite_output(net: nn.Sequential, x: Tensor) -> tuple[int, Tensor]:
     raise AssertionError("the planted fault made nothing non-finite")
 
 
-@pytest.fixture(params=["eager", "deferred"])
+@pytest.fixture(params=["replay", "eager", "deferred"])
 def mode(request, monkeypatch):
-    """Run a test with every record measured as it arrives (CPU records with large
-    gradients) and with every record kept and reduced once at the end of the backward (small
-    CPU records, and all records on accelerators)."""
+    """Run a test with the default watch (a light screen, then a replay under the per-call
+    watch), and with the per-call watch from the start: every record measured as it arrives
+    (CPU records with large gradients), or every record kept and reduced once at the end of
+    the backward (small CPU records, and all records on accelerators)."""
+    monkeypatch.setattr(_core, "REPLAY_BY_DEFAULT", request.param == "replay")
     monkeypatch.setattr(_core, "EAGER_ON_CPU", request.param == "eager")
     monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
     return request.param
@@ -602,6 +612,10 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
         gt.detect(net, spike=10.0, spike_beta=1.0)
     with pytest.raises(ValueError, match="nothing to detect: nonfinite=False and spike=None"):
         gt.detect(net, nonfinite=False)
+    with pytest.raises(ValueError, match="replay=True cannot watch spikes"):
+        gt.detect(net, spike=10.0, replay=True)
+    with pytest.raises(ValueError, match="replay must be None, True or False; got 1"):
+        gt.detect(net, replay=1)
     with pytest.raises(gt.SelectionError, match="matches no module"):
         gt.detect(net, select="1*")
     (tmp_path / "file").write_text("x")
@@ -641,22 +655,28 @@ def test_hooks_are_removed_and_the_model_is_unchanged():
 # -- cheapness --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("depth", [3, 30])
-def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, depth, mode):
+def _counted_tanh_net(monkeypatch, depth: int) -> tuple[nn.Module, Tensor, Tensor, list[int]]:
+    """``depth`` x (Linear(8, 8) + Tanh), a batch, and a list that counts host copies."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(8, 8), nn.Tanh()]
-    net = nn.Sequential(*layers, nn.Linear(8, 2))
-    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
-    copies = []
-    real = _core._to_host
-    monkeypatch.setattr(_core, "_to_host", lambda parts: copies.append(len(parts)) or real(parts))
+    copies: list[int] = []
+    real = _host.to_host
+    monkeypatch.setattr(_host, "to_host", lambda parts: copies.append(len(parts)) or real(parts))
+    return (nn.Sequential(*layers, nn.Linear(8, 2)), torch.randn(4, 8),
+            torch.randint(0, 2, (4,)), copies)
+
+
+@pytest.mark.parametrize("depth", [3, 30])
+def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, depth, mode):
+    net, x, y, copies = _counted_tanh_net(monkeypatch, depth)
     with gt.detect(net, spike=10.0) as det:
         det.check_loss(F.cross_entropy(net(x), y)).backward()
         det.step()
         # One copy for the forward (at check_loss); the deferred path adds one at the end of
-        # the backward, whatever the depth. The eager path reads CPU norms directly.
+        # the backward, whatever the depth. The eager path reads CPU norms directly. (spike=
+        # always uses the per-call watch: mode "replay" runs the deferred path.)
         assert len(copies) == (1 if mode == "eager" else 2)
         # Nothing may read a tensor value on the host while the step runs.
         for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -677,7 +697,7 @@ def test_cpu_records_are_not_kept_unless_they_may_be_reported(monkeypatch):
         net[0].bias.fill_(0.5)
     kept = []
     real = _core.Detector._check_backward
-    with gt.detect(net, action="record") as det:
+    with gt.detect(net, action="record", replay=False) as det:
         det._check_backward = lambda back: (kept.append(
             [p.name for p in back.plans if p.rec is not None]), real(det, back))[1]
         net(torch.rand(8, 4)).sum().backward()  # positive everywhere: healthy, nothing kept
@@ -710,3 +730,143 @@ def test_benchmark_script_runs_quick():
         sys.path.pop(0)
     table = detect_overhead.main(["--quick"])
     assert table.count("\n") == 3 and "gt.detect" in table and "detect_anomaly" in table
+
+
+# -- the default watch: a light screen, then a replay ------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [3, 30])
+def test_a_healthy_step_under_the_replay_watch_costs_one_host_copy_and_no_sync_in_hooks(
+        monkeypatch, depth):
+    net, x, y, copies = _counted_tanh_net(monkeypatch, depth)
+    with gt.detect(net) as det:
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+            monkeypatch.setattr(torch.Tensor, name, _forbidden(name))
+        for _ in range(2):
+            F.cross_entropy(net(x), y).backward()  # the forward is checked with the backward
+            net.zero_grad()
+            det.step()
+        monkeypatch.undo()
+    assert copies and len(copies) == 2  # one per step, whatever the depth
+
+
+class _Net(nn.Module):
+    """BatchNorm (buffers), Dropout (RNG) and a sqrt at 0 after a ReLU: a backward-only Inf
+    that the ReLU's backward hides from every parameter gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.drop = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)
+        self.relu, self.sqrt, self.fc2 = nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.sqrt(self.relu(self.drop(self.bn(self.fc1(x))))))
+
+
+def test_the_replay_reproduces_the_step_and_leaves_grads_buffers_rng_and_other_taps_alone():
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 16)
+    # Oracle: the same step without detect, keeping the gradient the sqrt sends to its input.
+    torch.manual_seed(5)
+    h = ref.relu(ref.drop(ref.bn(ref.fc1(x))))
+    h.retain_grad()
+    ref.fc2(ref.sqrt(h)).sum().backward()
+    rng_after = torch.get_rng_state()
+    assert torch.isinf(h.grad).any()
+    assert all(torch.isfinite(p.grad).all() for p in ref.parameters())  # hidden from params
+    torch.manual_seed(5)
+    with gt.tap(net) as other, gt.detect(net, action="record") as det:
+        net(x).sum().backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.call) == (
+        "sqrt", "inf", "grad_input", "x", 0)
+    assert torch.equal(a.record.grad_inputs["x"], h.grad)  # same dropout mask in the replay
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name  # .grad untouched by the replay
+    for b, c in zip(net.buffers(), ref.buffers()):
+        assert torch.equal(b, c)  # running statistics updated once, not twice
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    assert sorted(r.module_name for r in other.records) == sorted(n for n, _ in net.named_children())
+    assert_no_hooks(net)
+
+
+class _OnlyInBf16(nn.Module):
+    """NaN only when its input is bfloat16 (as under CPU autocast)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sqrt(x - 10.0) if x.dtype == torch.bfloat16 else x
+
+
+def test_the_replay_runs_under_the_autocast_state_of_the_call():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), _OnlyInBf16(), nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(torch.randn(3, 4))
+        out.float().sum().backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.where, a.slot) == ("1", "forward", "output")
+    assert "bfloat16" in a.message
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.block, self.fc2 = (nn.Linear(8, 8),
+                                          nn.Sequential(nn.ReLU(), SqrtOfInput()), nn.Linear(8, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.fc1(x), use_reentrant=False)
+        return self.fc2(h)
+
+
+def test_activation_checkpointing_replays_without_counting_recomputations():
+    torch.manual_seed(0)
+    net = _Checkpointed()
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(16, 8)).sum().backward()
+    assert [(a.module_name, a.where, a.slot, a.call) for a in det.anomalies] == [
+        ("block.1", "grad_input", "x", 0)]
+
+
+def test_a_gradient_entering_other_than_through_the_outputs_is_still_reported():
+    class Aux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.hidden = self.fc1(x)
+            return self.fc2(self.hidden)
+
+    torch.manual_seed(0)
+    net = Aux()
+    with gt.detect(net, action="record") as det:
+        out = net(torch.randn(3, 4))
+        aux = (net.hidden - net.hidden.detach()).sqrt().sum()  # dL/d hidden = +Inf
+        (out.sum() + aux).backward()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot) == ("fc1", "inf", "grad_output", "output")
+    assert "did not reproduce it" in a.message and "replay=False" in a.message
+    assert a.inf == 12 and a.record is None
+
+
+def test_a_forward_fault_gone_before_the_replay_is_reported_from_the_screen():
+    class Flaky(nn.Module):
+        fault = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x * math.nan if self.fault else x
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), Flaky(), nn.Linear(4, 2))
+    with gt.detect(net, action="record") as det:
+        net[1].fault = True
+        loss = net(torch.randn(3, 4)).sum()
+        net[1].fault = False  # state the replay cannot see
+        det.check_loss(loss)
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot) == ("1", "nan", "forward", "output")
+    assert "did not reproduce it" in a.message and a.nan == 12

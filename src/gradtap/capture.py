@@ -23,7 +23,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from gradtap._types import KeepLiteral, Selector
 from gradtap.record import GradRecord, flatten_tensors, map_tensors
 from gradtap.select import select_modules
 
-__all__ = ["HookSet", "Tap", "at_end_of_backward", "legacy_backward_grads", "tap"]
+__all__ = ["HookSet", "Tap", "at_end_of_backward", "legacy_backward_grads", "replaying", "tap"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _graph_task_id = torch._C._current_graph_task_id
@@ -46,6 +47,38 @@ RecordCallback = Callable[[GradRecord], None]
 ForwardCallback = Callable[[str, int, nn.Module, dict[str, Tensor], dict[str, Tensor]], None]
 RewriteSlot = Callable[[str, str, Tensor], "Tensor | None"]
 RewriteParam = Callable[[str, int, str, Tensor], "Tensor | None"]
+
+
+class _Replay:
+    """Set by :func:`replaying`: the one tap whose hooks run, and the backward (graph task) in
+    which forward calls still count as real calls (-1: none, the usual case)."""
+
+    owner: Tap | None = None
+    task: int = -1
+
+
+def _standing_aside(tap: Tap) -> bool:
+    """Whether ``tap``'s hooks must do nothing because another tap replays a step."""
+    return _Replay.owner is not None and _Replay.owner is not tap
+
+
+@contextmanager
+def replaying(owner: Tap) -> Iterator[None]:
+    """Run a model's forward and backward again, seen by ``owner`` alone.
+
+    Inside the block, every other tap's hooks and every :class:`HookSet` hook do nothing, so
+    stateful consumers (a transform's EWMA, a Monitor) never see the rerun. Forward calls made
+    inside the backward now running (a replay started at its end) count as real calls for
+    ``owner``; forward calls inside the replay's own backward (activation checkpoint
+    recomputation) still do not. Not reentrant.
+    """
+    if _Replay.owner is not None:
+        raise RuntimeError("a replay is already running; replays do not nest")
+    _Replay.owner, _Replay.task = owner, _graph_task_id()
+    try:
+        yield
+    finally:
+        _Replay.owner, _Replay.task = None, -1
 
 
 class HookSet:
@@ -65,7 +98,7 @@ class HookSet:
         """Run ``fn(param)`` after ``param.grad`` was accumulated in a backward."""
 
         def hook(p: Tensor) -> None:
-            if self.enabled:
+            if self.enabled and _Replay.owner is None:
                 fn(p)
 
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
@@ -75,10 +108,52 @@ class HookSet:
         """Run ``fn(optimizer, args, kwargs)`` right before ``optimizer.step()``."""
 
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if self.enabled:
+            if self.enabled and _Replay.owner is None:
                 fn(opt, args, kwargs)
 
         self._handles.append(optimizer.register_step_pre_hook(hook))
+
+    def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
+                     after: Callable[[Any], None]) -> None:
+        """Run ``before(args, kwargs)`` and ``after(output)`` around each call of ``module``
+        (``after`` only when the call returns)."""
+        if before is not None:
+
+            def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+                if self.enabled and _Replay.owner is None:
+                    before(args, kwargs)
+
+            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+        def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+            if self.enabled and _Replay.owner is None:
+                after(output)
+
+        self._handles.append(module.register_forward_hook(forward_hook))
+
+    def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> None:
+        """Run ``fn(grad)`` with the gradient w.r.t. ``t`` as it is now, in each backward that
+        computes it. The hook lives as long as ``t``'s graph; no handle is kept."""
+
+        node, nr = t.grad_fn, t.output_nr
+        if node is None:  # a leaf: its own hook (slower, but leaves are rare here)
+
+            def leaf_hook(g: Tensor) -> None:
+                if self.enabled and _Replay.owner is None:
+                    fn(g)
+
+            t.register_hook(leaf_hook)
+            return
+
+        # A pre-hook on the node that made t (what Tensor.register_hook installs too, minus
+        # the Python bookkeeping, which costs more than the rest of a light hook).
+        def prehook(grad_outputs: tuple) -> None:
+            if self.enabled and _Replay.owner is None:
+                g = grad_outputs[nr]
+                if g is not None:
+                    fn(g)
+
+        node.register_prehook(prehook)
 
     def add(self, handle: RemovableHandle) -> None:
         """Adopt a handle registered elsewhere in this module."""
@@ -265,7 +340,8 @@ class Tap:
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
             # Cheapest guards first. Forward calls made while a backward runs are activation
             # checkpoint recomputations: their graph is only used to refill saved tensors.
-            if not (self._enabled and torch.is_grad_enabled()) or _graph_task_id() != -1:
+            if (not (self._enabled and torch.is_grad_enabled()) or _graph_task_id() != _Replay.task
+                    or _standing_aside(self)):
                 open_calls.append(None)
                 return None
             call = _Call(info, info.calls)
@@ -406,7 +482,7 @@ class Tap:
 
         def prehook(grad_outputs: tuple) -> tuple | None:
             tap = tap_ref()
-            if tap is None or not tap._enabled:
+            if tap is None or not tap._enabled or _standing_aside(tap):
                 return None
             tap._touch(call)
             new = list(grad_outputs)
@@ -429,7 +505,7 @@ class Tap:
 
         def posthook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
             tap = tap_ref()
-            if tap is None or not tap._enabled:
+            if tap is None or not tap._enabled or _standing_aside(tap):
                 return None
             tap._touch(call)
             for nr, path in out_entries:

@@ -1,6 +1,8 @@
 """The detector: device-side flags in the hooks, one host check per forward and per backward.
 
-How it stays cheap (STYLE.md section 7, point 6):
+By default (``replay=None`` and no ``spike``) a :class:`~gradtap.detect._replay.Screen` watches
+each step and this per-call watch only runs on a replay of a step the screen found bad. The
+per-call watch itself, used from the start with ``replay=False`` or ``spike=``:
 
 * Forward: after each selected call, ``torch.aminmax`` of every new floating tensor (outputs,
   and inputs not already measured as an earlier call's output) is appended to a list, kept on
@@ -41,7 +43,8 @@ from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
 from gradtap._types import Selector
-from gradtap.capture import at_end_of_backward, tap
+from gradtap.capture import Tap, at_end_of_backward, tap
+from gradtap.detect import _host
 from gradtap.detect._anomaly import (
     LOSS,
     Anomaly,
@@ -59,6 +62,7 @@ from gradtap.detect._anomaly import (
     stats_table,
 )
 from gradtap.detect._dump import write_dump
+from gradtap.detect._replay import RootCall, Screen, Suspect
 from gradtap.errors import GradientAnomaly
 from gradtap.record import GradRecord, format_table
 from gradtap.select import select_modules
@@ -73,6 +77,9 @@ _ACTIONS = ("raise", "warn", "record")
 #: and reduced there, all together (one host copy per device).
 EAGER_ON_CPU = True
 EAGER_MIN_ELEMENTS = 1 << 15
+#: ``replay=None`` means replay when ``spike`` is None (tests switch it off to run the per-call
+#: watch on the same cases).
+REPLAY_BY_DEFAULT = True
 _graph_task_id = torch._C._current_graph_task_id
 _ROLES = (("grad_output", "grad_outputs"), ("grad_input", "grad_inputs"),
           ("param_grad", "param_grads"))
@@ -144,6 +151,7 @@ class Detector:
         dump_dir: str | os.PathLike[str] | None = None,
         *,
         spike_beta: float = 0.9,
+        replay: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
@@ -162,6 +170,11 @@ class Detector:
         if not nonfinite and spike is None:
             raise ValueError("nothing to detect: nonfinite=False and spike=None; pass spike=10.0 "
                              "or leave nonfinite=True")
+        if replay is not None and not isinstance(replay, bool):
+            raise ValueError(f"replay must be None, True or False; got {replay!r}")
+        if replay and spike is not None:
+            raise ValueError("replay=True cannot watch spikes: a spike needs every module's norms "
+                             "at every step; leave replay=None (per-call watch) or set spike=None")
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -175,6 +188,7 @@ class Detector:
         self.anomalies: list[Anomaly] = []
 
         selected = select_modules(model, select)  # raises SelectionError naming close names
+        self._model, self._select = model, select
         self._selected = {name for name, _ in selected}
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
         # gradient coming from the loss, and it catches what unselected code does.
@@ -198,6 +212,13 @@ class Detector:
         self._ewma_mean = torch.zeros(0, dtype=torch.float64)
         self._ewma_var = torch.zeros(0, dtype=torch.float64)
         self._ewma_count = np.zeros(0, dtype=np.int64)
+        self._ready: list[Anomaly] = []  # found by a replay, dumped, not yet raised or warned
+        self._screen: Screen | None = None
+        self._tap: Tap | None = None
+        if replay if replay is not None else (spike is None and REPLAY_BY_DEFAULT):
+            self._screen = Screen(model, selected)
+            self._screen.on_backward_end = self._screened_backward
+            return
         names = self._selected | ({""} if self._watch_root else set())
         self._tap = tap(
             model, lambda name, module: name in names,
@@ -227,7 +248,10 @@ class Detector:
         """
         if not isinstance(loss, Tensor):
             raise TypeError(f"check_loss() needs a Tensor; got {type(loss).__name__}")
-        if self.nonfinite:
+        if self._screen is not None:
+            self._screen_forward(loss)
+            self._emit()
+        elif self.nonfinite:
             if loss.is_floating_point() and loss.numel():
                 m = self._measured
                 with torch.no_grad():
@@ -238,7 +262,7 @@ class Detector:
 
     def should_skip(self) -> bool:
         """True when an anomaly was found since the last :meth:`step`: skip the optimizer step."""
-        if self._measured.calls or self._measured.losses:
+        if self._pending_forward():
             self._check_forward()
             self._emit()
         return self._skip
@@ -256,6 +280,11 @@ class Detector:
         self._check_forward()
         self._emit()
         return self.anomalies[before:]
+
+    def _pending_forward(self) -> bool:
+        if self._screen is not None:
+            return self._screen.unchecked()
+        return bool(self._measured.calls or self._measured.losses)
 
     def step(self) -> None:
         """Close the current step: check what is pending, update the spike EWMA, advance.
@@ -278,7 +307,10 @@ class Detector:
             self._queued_task = None
             self._forward_bad = False
             self._skip = False
-            self._tap.clear()
+            if self._tap is not None:
+                self._tap.clear()
+            if self._screen is not None:
+                self._screen.new_step()
             self._step += 1
 
     def ewma(self, name: str, kind: Literal["param_grad", "grad_output"] = "param_grad"
@@ -297,7 +329,10 @@ class Detector:
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
-        self._tap.remove()
+        if self._tap is not None:
+            self._tap.remove()
+        if self._screen is not None:
+            self._screen.remove()
         self._back = None
         self._measured = _Measured()
 
@@ -381,7 +416,7 @@ class Detector:
         # activation gradient alive until the end, and on CPU fresh memory for each later
         # gradient costs more than this check.
         with torch.no_grad():
-            norms = _norms(new, host=True)
+            norms = _host.norms(new, host=True)
         fin = np.isfinite(norms)
         for i in np.flatnonzero(~fin):  # an L2 norm can overflow: look at the tensor
             fin[i] = bool(torch.isfinite(new[i]).all())
@@ -421,16 +456,121 @@ class Detector:
             self._check_backward(back)
         self._emit()
 
+    # -- the replay watch (see _replay.py) --------------------------------------------------
+
+    def _screen_forward(self, loss: Tensor | None) -> None:
+        assert self._screen is not None
+        suspects = self._screen.check(loss=loss)
+        if suspects:
+            self._localize(suspects, [], loss)
+
+    def _screened_backward(self, backward: list[RootCall]) -> None:
+        """End of a backward that reached a screened output: one check, a replay if bad."""
+        assert self._screen is not None
+        if not any(c.reported for c in backward):  # else: consequences of a reported forward
+            suspects = self._screen.check(backward=True)
+            if suspects:
+                self._localize(suspects, backward, None)
+        self._emit()
+
+    def _localize(self, suspects: list[Suspect], backward: list[RootCall],
+                  loss: Tensor | None) -> None:
+        """Replay the step under a per-call watch to find where the suspects came from."""
+        assert self._screen is not None
+        watch = Detector(self._model, self._select, warmup=self.warmup, action="record",
+                         dump_dir=self.dump_dir, replay=False)
+        watch._step = self._step
+        watch.anomalies = list(self.anomalies)  # dump files keep counting
+        start = len(watch.anomalies)
+        failure: BaseException | None = None
+        try:
+            self._screen.replay(watch._tap, backward)  # type: ignore[arg-type]
+            if loss is not None:
+                watch.check_loss(loss)
+            else:
+                watch.check()
+        except Exception as err:  # noqa: BLE001 - reported with the screen's evidence below
+            failure = err
+        finally:
+            watch.remove()
+        found = watch.anomalies[start:]
+        first = suspects[0]
+        if found and first.where == "forward" and (found[0].where != "forward"
+                                                   or found[0].module_name == LOSS):
+            # The screen saw a module's output go bad, the replay did not (state changed
+            # since the call): the screen's evidence is the better report.
+            for a in found:
+                if a.dump_path is not None and os.path.exists(a.dump_path):
+                    os.remove(a.dump_path)
+            found = []
+        # One event per step: later checks of this step would see its consequences.
+        self._screen.quiet_params = True
+        for call in self._screen.calls:
+            call.reported = True
+        if found:
+            self.anomalies.extend(found)
+            self._ready.extend(found)
+        else:
+            self._found.append(self._unreproduced(suspects, failure))
+
+    def _unreproduced(self, suspects: list[Suspect], failure: BaseException | None) -> _Found:
+        """An anomaly from the screen's own evidence, when the replay did not show its origin."""
+        s = suspects[0]  # forward first, then the loss, gradients, parameter gradients
+        if s.where == "param_grad":
+            name, _, slot = s.key.rpartition(".")
+            where: Where = "param_grad"
+            what = f"the gradient of parameter {slot!r}"
+        elif s.where == "loss":
+            name, slot, where, what = LOSS, "loss", "forward", "the loss value"
+        else:
+            name, slot = s.module, s.key
+            where = "forward" if s.where == "forward" else "grad_output"
+            what = f"output {slot!r}" if where == "forward" else f"dL/d(output {slot!r})"
+        module = None if name == LOSS else self._modules.get(name)
+        type_name = "loss" if name == LOSS else type(module).__name__
+        if s.tensor is not None:
+            stat: TensorStat | None = exact_stat(s.tensor, s.where, slot)
+            kind = kind_of(stat)  # type: ignore[arg-type]
+        else:
+            stat, kind = None, "nan" if s.nan else "inf"
+        label = LOSS if name == LOSS else describe_module(name, type_name, None,
+                                                          name in self._selected)
+        why = (f"the replay failed ({type(failure).__name__}: {failure})" if failure is not None
+               else "running the step's forward and backward again did not reproduce it")
+        counts = f"it {counts_phrase(stat)}; " if stat is not None else ""
+        seen = {"forward": "the first selected call, in the order calls finished, whose output "
+                           "was non-finite (its inputs and parameters were not checked: code of "
+                           "an enclosing module may have made the value before this call)",
+                "grad_output": "the first gradient the screen saw non-finite, in backward order",
+                }.get(where, "what the screen saw after the backward")
+        head = (f"{'NaN' if kind == 'nan' else 'Inf'} found at step {self._step} in {what} of "
+                f"{label}: {counts}{why}, so this reports {seen}.")
+        hint = ("the forward may depend on state other than buffers and the RNG, a kernel may "
+                "not be deterministic, or the gradient entered the model other than through its "
+                "outputs (a loss on an intermediate tensor, an earlier backward accumulated into "
+                ".grad); gt.detect(..., replay=False) watches every selected call as it runs")
+        body = [*(stats_table([stat]) if stat is not None else []), f"hint: {hint}"]
+        anomaly = Anomaly(
+            module_name=name, kind=kind, where=where, step=self._step, record=None,
+            message=format_lines(head, body), module_type=type_name, slot=slot, call=None,
+            nan=None if stat is None else stat.nan, inf=None if stat is None else stat.inf,
+            numel=None if s.tensor is None else s.tensor.numel())
+        return _Found(anomaly, None, module)
+
     # -- the forward check --------------------------------------------------------------------
 
     def _check_forward(self) -> None:
+        if self._screen is not None:
+            if self._screen.unchecked():
+                self._screen_forward(None)
+            return
         m = self._measured
         if not m.calls and not m.losses:
             return
         self._measured = _Measured()
         with torch.no_grad():
             groups = list(m.groups.values())
-            host = _to_host([torch.stack(vals) for vals, _ in groups])  # this forward's one sync
+            host = _host.to_host([torch.stack(vals) for vals, _ in groups])  # this forward's one sync
         m.groups = {}
         mm = np.empty((len(m.meta), 2))
         for (_, sids), arr in zip(groups, host):
@@ -569,7 +709,7 @@ class Detector:
         if pending:
             tensors = [back.tensors[j] for j in pending]
             with torch.no_grad():
-                norms = _norms(tensors)  # this backward's one sync
+                norms = _host.norms(tensors)  # this backward's one sync
             fin = np.isfinite(norms)
             for i in np.flatnonzero(~fin):  # an L2 norm can overflow: look at the tensor
                 fin[i] = bool(torch.isfinite(tensors[i]).all())
@@ -796,21 +936,20 @@ class Detector:
 
     def _emit(self) -> None:
         found, self._found = self._found, []
-        first: Anomaly | None = None
+        new, self._ready = self._ready, []  # a replay's: in self.anomalies and dumped already
         for f in found:
             anomaly = f.anomaly
             if self.dump_dir is not None:
                 anomaly = write_dump(self.dump_dir, anomaly, len(self.anomalies), f.module, f.kept)
             self.anomalies.append(anomaly)
-            self._skip = True
-            if first is None:
-                first = anomaly
-        if first is None:
+            new.append(anomaly)
+        if not new:
             return
+        self._skip = True
         if self.action == "raise":
-            raise GradientAnomaly(first.message, first)
+            raise GradientAnomaly(new[0].message, new[0])
         if self.action == "warn":
-            for a in self.anomalies[-len(found):]:
+            for a in new:
                 warnings.warn(a.message, AnomalyWarning, stacklevel=3)
 
 
@@ -824,6 +963,7 @@ def detect(
     dump_dir: str | os.PathLike[str] | None = None,
     *,
     spike_beta: float = 0.9,
+    replay: bool | None = None,
 ) -> Detector:
     """Find where gradients break: the module where a NaN/Inf first appears, and spikes.
 
@@ -847,10 +987,26 @@ def detect(
       do not update the EWMA; after a spike, later modules in the same backward are not
       reported for it.
 
-    Cost: device-side min/max in each forward hook and two host syncs per step: one for the
-    forward (at ``det.check_loss(loss)``, else when the backward starts) and one when the
-    backward ends. The current backward's records are kept until its end (on CPU only those
-    that may be reported, for large gradients); forward tensors only with ``dump_dir``.
+    Two ways to watch (``replay=``):
+
+    * **replay** (the default when ``spike`` is None): a light screen, then a replay. Each
+      step, every selected call's outputs and the gradients reaching them are reduced on the
+      device (small tensors by reference, all at once), and the end of the backward reads
+      them with every parameter gradient's norm in one host copy; nothing else is hooked and
+      no record is made. Only when something is non-finite is the step's forward and backward
+      run again, with the same arguments, RNG and autocast state and the very gradients that
+      reached the model's outputs, under the per-call watch below, which names the origin.
+      The replay restores buffers and RNG state, leaves ``.grad`` alone, and other taps do
+      not see it. It cannot replay a forward that depends on other state or a gradient
+      entering the model other than through its outputs: such an anomaly is still reported,
+      at the first screened module or parameter that showed it, saying so.
+    * **per-call watch** (``replay=False``, and always with ``spike``): every selected call
+      is captured as it runs (device-side min/max of forward tensors, norms of every
+      gradient of its record), with two host syncs per step: one for the forward (at
+      ``det.check_loss(loss)``, else when the backward starts) and one when the backward
+      ends. Slower, but the model never runs twice.
+
+    Forward tensors are kept only with ``dump_dir``.
 
     Args:
         model: the model to watch (the model itself is always watched too, to see the loss's
@@ -863,6 +1019,9 @@ def detect(
             ``step()``), ``"warn"`` (:class:`AnomalyWarning`) or ``"record"`` silently.
         dump_dir: write one dump file per anomaly there (see :func:`load_dump`).
         spike_beta: EWMA factor for spikes.
+        replay: ``None``: replay when ``spike`` is None, else the per-call watch; ``False``:
+            the per-call watch (for a forward with side effects that must not run twice);
+            ``True``: replay (not with ``spike``).
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
@@ -870,7 +1029,8 @@ def detect(
 
     Raises:
         SelectionError: ``select`` matched no module.
-        ValueError: a bad ``action``, ``spike``, ``warmup`` or ``dump_dir``.
+        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir`` or ``replay``, or
+            ``replay=True`` with ``spike``.
 
     Example:
         >>> import torch, gradtap as gt
@@ -885,7 +1045,7 @@ def detect(
         ('0', 'nan', 'forward', 'bias', True)
     """
     return Detector(model, select, nonfinite, spike, warmup, action, dump_dir,
-                    spike_beta=spike_beta)
+                    spike_beta=spike_beta, replay=replay)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -934,7 +1094,7 @@ class _Backward:
             if hit is not None and hit[0]() is g:
                 out.append((key, hit[1]))
                 continue
-            if not _measurable(g):
+            if not _host.measurable(g):
                 continue
             j = self.n
             self.n += 1
@@ -965,46 +1125,6 @@ def _on_cpu(rec: GradRecord) -> bool:
             if g is not None:
                 return g.is_cpu
     return True
-
-
-def _measurable(g: Tensor) -> bool:
-    return g.is_floating_point() and g.layout == torch.strided and g.numel() > 0
-
-
-def _norms(tensors: list[Tensor], host: bool = False) -> np.ndarray:
-    """L2 norm of each tensor (float32 accumulation at least), with one host copy per device
-    (``host=True``: CPU tensors, read directly)."""
-    parts, order = [], []
-    for (_, dtype), idx in ops.group_by_device_dtype(tensors).items():
-        group = [tensors[i] for i in idx]
-        if dtype in (torch.float16, torch.bfloat16):
-            norms = torch._foreach_norm(group, 2, dtype=torch.float32)
-        else:
-            norms = torch._foreach_norm(group)
-        parts.append(torch.stack(norms))
-        order.append(idx)
-    out = np.empty(len(tensors))
-    arrays = [p.numpy() for p in parts] if host else _to_host(parts)
-    for idx, arr in zip(order, arrays):
-        out[idx] = arr
-    return out
-
-
-def _to_host(parts: list[Tensor]) -> list[np.ndarray]:
-    """Copy 1-d tensors to the host as float64 arrays: one transfer per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(parts):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[np.ndarray] = [np.empty(0)] * len(parts)
-    for idx in by_device.values():
-        flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
-        host = flat.cpu().numpy()
-        offset = 0
-        for i in idx:
-            n = parts[i].numel()
-            out[i] = host[offset:offset + n]
-            offset += n
-    return out
 
 
 def _saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor]]:

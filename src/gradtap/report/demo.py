@@ -220,11 +220,11 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
                 perm, pos = torch.randperm(len(y_train), generator=gen), 0
             idx = perm[pos:pos + batch_size]
             pos += batch_size
-            fault = getattr(model, FAULT_MODULE)
-            fault.fault = step == inject_nan
+            # The fault stays planted for the whole step, so gt.detect's replay of the step
+            # (it runs the forward again to find the origin) sees it too.
+            getattr(model, FAULT_MODULE).fault = step == inject_nan
             model.train()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            fault.fault = False
             if det is not None:
                 det.check_loss(loss)
             loss.backward()

@@ -1,0 +1,357 @@
+"""The default watch of ``gt.detect``: a light screen each step, a replay to localize.
+
+A healthy step should cost little, so the screen keeps no records and walks no graph:
+
+* After each selected call (and each call of the model itself) its floating outputs are
+  screened, and a hook on each output that requires grad screens the gradient that reaches
+  it. A small tensor is kept by reference and reduced with the others in one batched norm at
+  the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
+* Around each call of the model itself the screen also keeps the arguments (references), the
+  RNG state and the autocast state: what a replay needs.
+* At the end of a backward that reached a screened output it reads, in one host copy, every
+  pending forward and gradient reduction plus the norms of every parameter gradient.
+  ``det.check_loss(loss)`` checks the forward and the loss before the backward instead.
+* Only when something is non-finite is the step run again, under the per-call watch of
+  :class:`~gradtap.detect.Detector` (``replay=False``), which finds the origin and writes the
+  full report (:meth:`Screen.replay`): this step's calls of the model in order, with the same
+  arguments, RNG and autocast state, and for the calls of that backward, the backward with the
+  very gradients that reached the outputs. Buffers (BatchNorm's running statistics) and RNG
+  state are restored afterwards, parameter ``.grad`` is not touched (the replay uses
+  ``torch.autograd.grad``), and other taps and hook sets stand aside (``capture.replaying``).
+
+What a replay cannot reproduce (a forward that depends on state other than buffers and RNG,
+non-deterministic kernels, a gradient entering the model other than through its outputs) is
+still reported, from the screen's own evidence, with a note saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from gradtap.capture import HookSet, Tap, at_end_of_backward, replaying
+from gradtap.detect import _host
+from gradtap.detect._anomaly import LOSS
+from gradtap.record import flatten_tensors, map_tensors
+
+__all__ = ["RootCall", "Screen", "Suspect"]
+
+#: Calls of the model kept (arguments, RNG state) per step for a replay; older calls of a
+#: step that runs more forwards than this without ``det.step()`` are not replayed.
+MAX_KEPT_CALLS = 64
+#: Tensors with at most this many elements are kept by reference until the check (one batched
+#: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
+SMALL = 1 << 16
+_graph_task_id = torch._C._current_graph_task_id
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+class RootCall:
+    """One call of the model in this step: what a replay needs, and what the screen checks."""
+
+    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads", "checked",
+                 "reported")
+
+    def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
+        self.args: tuple | None = args
+        self.kwargs: dict = kwargs
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+        self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                              for d in _AUTOCAST_DEVICES)
+        self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
+        self.checked = False
+        self.reported = False  # an anomaly of its forward was reported: skip its backward
+
+
+class Suspect:
+    """What the screen found non-finite: ``where`` is ``"forward"`` (an output of ``module``),
+    ``"loss"``, ``"grad_output"`` (dL/d an output of ``module``) or ``"param_grad"`` (``key``
+    is the parameter's name); ``tensor`` when still held."""
+
+    __slots__ = ("where", "module", "key", "tensor", "nan")
+
+    def __init__(self, where: str, module: str, key: str, tensor: Tensor | None,
+                 nan: bool | None = None) -> None:
+        self.where, self.module, self.key, self.tensor = where, module, key, tensor
+        self.nan = nan  # known from the reduction when the tensor is gone
+
+
+class _Pending:
+    """Screened tensors waiting for the next check: small ones by reference, large ones as
+    device-side ``(min, max)`` pairs."""
+
+    __slots__ = ("refs", "ref_info", "ranges", "range_info")
+
+    def __init__(self) -> None:
+        self.refs: list[Tensor] = []
+        self.ref_info: list[tuple[int, str, str, str]] = []  # (order, where, module, key)
+        self.ranges: list[Tensor] = []
+        self.range_info: list[tuple[int, str, str, str, weakref.ref[Tensor]]] = []
+
+    def add(self, where: str, module: str, key: str, t: Tensor) -> None:
+        order = len(self.ref_info) + len(self.range_info)
+        if t.numel() <= SMALL:
+            self.refs.append(t)
+            self.ref_info.append((order, where, module, key))
+        else:
+            lo, hi = torch.aminmax(t)
+            self.ranges += (lo, hi)
+            self.range_info.append((order, where, module, key, weakref.ref(t)))
+
+
+class Screen:
+    """Light hooks on the selected modules and the model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        self.model = model
+        self.calls: list[RootCall] = []  # this step's calls of the model, in call order
+        self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
+        self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
+        self._forward = _Pending()  # outputs since the last forward check
+        self._grads = _Pending()  # gradients of the running backward
+        self._open: list[RootCall | None] = []
+        self._backward: list[RootCall] = []
+        self._queued: int | None = None
+        # Parameters whose .grad was non-finite at the last check, and whether it still was
+        # when the running backward began (device flags): a .grad that stays non-finite
+        # because nobody zeroed it is not a new anomaly.
+        self._bad_params: dict[int, Tensor] = {}
+        self._finite_at_start: dict[int, Tensor] = {}
+        self._params = list(model.named_parameters())  # read once: cheaper per check
+        self._cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+        self.hooks = HookSet()
+        for name, module in modules:
+            if module is not model:
+                self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
+        self.hooks.module_calls(model, self._before, self._after)
+
+    # -- hooks (no host sync) -----------------------------------------------------------------
+
+    def _screen_call(self, name: str, output: Any) -> None:
+        # Forward calls inside a backward are checkpoint recomputations; without grad mode
+        # there is no backward to check (nor a record in the per-call watch).
+        if not torch.is_grad_enabled() or _graph_task_id() != -1:
+            return
+        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
+        for path, t in outs:
+            if _host.measurable(t):
+                self._forward.add("forward", name, path, t.detach())
+                if t.requires_grad:
+                    self.hooks.gradient(t, functools.partial(self._on_grad, name, path, None))
+
+    def _before(self, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled() and _graph_task_id() == -1:
+            self._open.append(RootCall(args, kwargs, self._cuda))
+        else:
+            self._open.append(None)
+
+    def _after(self, output: Any) -> None:
+        call = self._open.pop() if self._open else None
+        if call is None:
+            return
+        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
+        for path, t in outs:
+            if _host.measurable(t):
+                self._forward.add("forward", "", path, t.detach())
+                if t.requires_grad:
+                    self.hooks.gradient(t, functools.partial(self._on_grad, "", path, call))
+        call.checked = False
+        self.calls.append(call)
+        if len(self.calls) > MAX_KEPT_CALLS:
+            old = self.calls[-MAX_KEPT_CALLS - 1]
+            old.args, old.kwargs = None, {}
+
+    def _on_grad(self, name: str, path: str, call: RootCall | None, g: Tensor) -> None:
+        task = _graph_task_id()
+        if task != self._queued:
+            self._queued = task
+            self._backward = []
+            at_end_of_backward(self._end_of_backward)
+            with torch.no_grad():
+                self._finite_at_start = {i: torch.isfinite(p.grad).all().to(torch.float32)
+                                         for i, p in self._bad_params.items()
+                                         if p.grad is not None}
+        if _host.measurable(g):
+            self._grads.add("grad_output", name, path, g.detach() if g.requires_grad else g)
+        if call is not None:  # the model's own output: kept for a replay of this backward
+            if not any(c is call for c in self._backward):
+                self._backward.append(call)
+            old = call.grads.get(path)
+            call.grads[path] = g if old is None else old + g
+
+    def _end_of_backward(self) -> None:
+        backward, self._backward = self._backward, []
+        self._queued = None
+        try:
+            if self.on_backward_end is not None:
+                self.on_backward_end(backward)
+        finally:
+            self._grads = _Pending()
+            for call in backward:
+                call.grads = {}
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def unchecked(self) -> bool:
+        """Whether screened forward outputs wait for a check."""
+        return bool(self._forward.refs or self._forward.range_info)
+
+    def check(self, backward: bool = False, loss: Tensor | None = None) -> list[Suspect]:
+        """Check, with one host copy, the forward outputs screened since the last check,
+        ``loss``, and at the end of a backward its gradients and every parameter gradient.
+        Returns what is non-finite, forward first (empty for a healthy step)."""
+        fwd, self._forward = self._forward, _Pending()
+        for call in self.calls:
+            call.checked = True
+        pending = [fwd]
+        if loss is not None and _host.measurable(loss):
+            extra = _Pending()
+            extra.refs.append(loss.detach())
+            extra.ref_info.append((0, "loss", LOSS, "loss"))
+            pending.append(extra)
+        params: list[Tensor] = []
+        if backward:
+            pending.append(self._grads)
+            if not self.quiet_params:
+                part = _Pending()
+                for name, p in self._params:
+                    g = p.grad
+                    if g is not None and _host.measurable(g):
+                        part.refs.append(g)  # whatever the size: one foreach norm
+                        part.ref_info.append((len(part.refs), "param_grad", "", name))
+                        params.append(p)
+                pending.append(part)
+        started = self._finite_at_start if backward else {}
+        self._finite_at_start = {}
+        refs = [t for part in pending for t in part.refs]
+        ranges = [t for part in pending for t in part.ranges]
+        if not refs and not ranges:
+            return []
+        with torch.no_grad():
+            # The one host copy.
+            values = _host.norms(refs, extra=[*ranges, *started.values()])
+        was_finite = dict(zip(started, values[len(refs) + len(ranges):]))
+        found: list[tuple[int, int, Suspect]] = []  # (part, order, suspect)
+        i = j = 0
+        n_params = len(params)
+        first_param = len(refs) - n_params
+        for n, part in enumerate(pending):
+            for (order, where, module, key), t in zip(part.ref_info, part.refs):
+                # An L2 norm can overflow on finite values: then look at the tensor itself.
+                if not math.isfinite(values[i]) and not bool(torch.isfinite(t).all()):
+                    if i >= first_param:
+                        p = params[i - first_param]
+                        self._bad_params[id(p)] = p
+                        if was_finite.get(id(p), 1.0) == 0.0:
+                            i += 1
+                            continue  # non-finite before this backward: not new
+                    found.append((n, order, Suspect(where, module, key, t)))
+                elif i >= first_param:
+                    self._bad_params.pop(id(params[i - first_param]), None)
+                i += 1
+        lohi = values[len(refs):]
+        for n, part in enumerate(pending):
+            for order, where, module, key, ref in part.range_info:
+                lo, hi = lohi[j], lohi[j + 1]
+                if not (math.isfinite(lo) and math.isfinite(hi)):
+                    found.append((n, order, Suspect(where, module, key, ref(),
+                                                    nan=bool(np.isnan(lo) or np.isnan(hi)))))
+                j += 2
+        # In the order they were screened: calls as they finished, gradients as they arrived.
+        return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
+
+    def new_step(self) -> None:
+        """Forget this step's calls (``det.step()``)."""
+        self.calls = []
+        self.quiet_params = False
+
+    def remove(self) -> None:
+        self.hooks.remove()
+        self.calls = []
+        self._open = []
+        self._forward = _Pending()
+        self._grads = _Pending()
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def replay(self, watcher: Tap, backward: list[RootCall]) -> None:
+        """Run this step's calls of the model again, seen by ``watcher`` alone; for the calls in
+        ``backward``, their backward too, from the gradients that reached their outputs.
+
+        Parameter ``.grad`` is left alone, and buffers and RNG state are restored afterwards.
+        """
+        in_backward = {id(c) for c in backward}
+        with ExitStack() as stack:
+            stack.enter_context(replaying(watcher))
+            stack.enter_context(_buffers_restored(self.model))
+            stack.enter_context(torch.random.fork_rng(devices=self._cuda))
+            for call in self.calls:
+                if call.args is None:
+                    continue
+                torch.set_rng_state(call.rng)
+                for d, state in zip(self._cuda, call.cuda_rng):
+                    torch.cuda.set_rng_state(state, d)
+                args, kwargs = _detached((call.args, call.kwargs))
+                with _autocast(call.autocast), torch.enable_grad():
+                    output = self.model(*args, **kwargs)
+                if id(call) not in in_backward or not call.grads:
+                    continue
+                outs = dict([("output", output)] if isinstance(output, Tensor)
+                            else flatten_tensors(output, "output"))
+                pairs = [(outs[k], g) for k, g in call.grads.items()
+                         if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
+                if not pairs:
+                    continue
+                leaves = [p for p in self.model.parameters() if p.requires_grad]
+                leaves += [t for _, t in flatten_tensors((args, kwargs), "a") if t.requires_grad]
+                with torch.enable_grad():
+                    if leaves:  # autograd.grad: nothing is accumulated into .grad
+                        torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                            allow_unused=True)
+                    else:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _detached(obj: Any) -> Any:
+    """The same structure with every tensor detached (its ``requires_grad`` kept), so a replay's
+    backward stops at the call's arguments. A tensor passed twice stays one tensor."""
+    memo: dict[int, Tensor] = {}
+
+    def detach(t: Tensor) -> Tensor:
+        new = memo.get(id(t))
+        if new is None:
+            new = memo[id(t)] = t.detach().requires_grad_(t.requires_grad)
+        return new
+
+    return map_tensors(obj, detach)
+
+
+@contextmanager
+def _autocast(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for device, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
+
+
+@contextmanager
+def _buffers_restored(model: nn.Module) -> Iterator[None]:
+    """Put every buffer back (same tensor object, same values) after the block."""
+    saved = [(module, name, b, b.clone()) for module in model.modules()
+             for name, b in module._buffers.items() if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, b, value in saved:
+                module._buffers[name] = b
+                b.copy_(value)
