@@ -1,6 +1,7 @@
 """Find where gradients break: the origin of NaN, Inf and gradient spikes, with dumps.
 
-``gt.detect(model)`` watches every forward and backward through the capture layer and
+``gt.detect(model)`` screens every step cheaply (``_replay.Screen``), replays a step found
+non-finite under a watch of every call (``_core.Detector`` with ``replay=False``), and
 reports, per event, the innermost module where a non-finite value first appeared (or the
 loss, as ``"<loss>"``), the slot, NaN/Inf counts, the ranges of the module's forward tensors
 and parameters against their dtype, and a hint. See :func:`detect`.
