@@ -57,7 +57,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 class RootCall:
     """One call of the model in this step: what a replay needs, and what the screen checks."""
 
-    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads", "checked",
+    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads",
                  "reported")
 
     def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
@@ -68,7 +68,6 @@ class RootCall:
         self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                               for d in _AUTOCAST_DEVICES)
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
-        self.checked = False
         self.reported = False  # an anomaly of its forward was reported: skip its backward
 
 
@@ -139,14 +138,16 @@ class Screen:
     def _screen_call(self, name: str, output: Any) -> None:
         # Forward calls inside a backward are checkpoint recomputations; without grad mode
         # there is no backward to check (nor a record in the per-call watch).
-        if not torch.is_grad_enabled() or _graph_task_id() != -1:
-            return
+        if torch.is_grad_enabled() and _graph_task_id() == -1:
+            self._screen_outputs(name, output, None)
+
+    def _screen_outputs(self, name: str, output: Any, call: RootCall | None) -> None:
         outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
         for path, t in outs:
             if _host.measurable(t):
                 self._forward.add("forward", name, path, t.detach())
                 if t.requires_grad:
-                    self.hooks.gradient(t, functools.partial(self._on_grad, name, path, None))
+                    self.hooks.gradient(t, functools.partial(self._on_grad, name, path, call))
 
     def _before(self, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled() and _graph_task_id() == -1:
@@ -158,13 +159,7 @@ class Screen:
         call = self._open.pop() if self._open else None
         if call is None:
             return
-        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
-        for path, t in outs:
-            if _host.measurable(t):
-                self._forward.add("forward", "", path, t.detach())
-                if t.requires_grad:
-                    self.hooks.gradient(t, functools.partial(self._on_grad, "", path, call))
-        call.checked = False
+        self._screen_outputs("", output, call)
         self.calls.append(call)
         if len(self.calls) > MAX_KEPT_CALLS:
             old = self.calls[-MAX_KEPT_CALLS - 1]
@@ -210,8 +205,6 @@ class Screen:
         ``loss``, and at the end of a backward its gradients and every parameter gradient.
         Returns what is non-finite, forward first (empty for a healthy step)."""
         fwd, self._forward = self._forward, _Pending()
-        for call in self.calls:
-            call.checked = True
         pending = [fwd]
         if loss is not None and _host.measurable(loss):
             extra = _Pending()
