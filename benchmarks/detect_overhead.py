@@ -3,9 +3,10 @@
 Run: .venv/bin/python benchmarks/detect_overhead.py [--quick]
 
 Side by side in one run, per model: a plain forward+backward step (``F.cross_entropy``,
-``zero_grad``); ``gt.detect`` on every module, the default watch (a light screen; a replay
-would run only after an anomaly, so never here), with ``det.check_loss(loss)`` and
-``det.step()`` each step; the same with ``replay=False`` (every call captured as it runs);
+``zero_grad``); ``gt.detect`` on every module, the default watch (a light screen of the model;
+a replay would run only after an anomaly, so never here), with ``det.check_loss(loss)`` and
+``det.step()`` each step; the same with ``screen="modules"`` (every module's outputs and
+their gradients screened too); the same with ``replay=False`` (every call captured as it runs);
 the same with ``spike=10`` (which uses the per-call watch); and the step inside
 ``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
 interleaved rounds (A B C A B C ...), median per step; each variant's hooks exist only while it
@@ -58,8 +59,8 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
 
 
 def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None,
-            replay: bool | None = None) -> Callable[[], None]:
-    det = gt.detect(model, spike=spike, action="raise", replay=replay)
+            replay: bool | None = None, screen: str | None = None) -> Callable[[], None]:
+    det = gt.detect(model, spike=spike, action="raise", replay=replay, screen=screen)
 
     def step() -> None:
         det.check_loss(F.cross_entropy(model(x), y)).backward()
@@ -82,6 +83,7 @@ def _anomaly(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
 VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] = {
     "plain": _plain,
     "detect": _detect,
+    "detect_modules": lambda model, x, y: _detect(model, x, y, screen="modules"),
     "detect_calls": lambda model, x, y: _detect(model, x, y, replay=False),
     "detect_spike": lambda model, x, y: _detect(model, x, y, spike=10.0),
     "anomaly": _anomaly,
@@ -145,12 +147,13 @@ def main(argv: Sequence[str] | None = None) -> str:
             return f"{(v - base) / ref:.2f}" if ref > 0 else "-"
 
         rows.append([label, f"{base * 1e3:.2f} ms ({steps} steps)", cell(t["detect"]),
-                     cell(t["detect_calls"]), cell(t["detect_spike"]), cell(t["anomaly"]),
-                     f"{share(t['detect'])} / {share(t['detect_calls'])} / "
-                     f"{share(t['detect_spike'])}"])
-    header = ["model", "plain step", "gt.detect", "gt.detect(replay=False)",
-              "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
-              "overhead / detect_anomaly's (detect / replay=False / spike=10)"]
+                     cell(t["detect_modules"]), cell(t["detect_calls"]),
+                     cell(t["detect_spike"]), cell(t["anomaly"]),
+                     f"{share(t['detect'])} / {share(t['detect_modules'])} / "
+                     f"{share(t['detect_calls'])} / {share(t['detect_spike'])}"])
+    header = ["model", "plain step", "gt.detect", "gt.detect(screen='modules')",
+              "gt.detect(replay=False)", "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
+              "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)"]
     table = markdown_table(header, rows)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
           "interleaved rounds (steps per round in the plain column)")

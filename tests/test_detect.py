@@ -80,6 +80,20 @@ class ScaledLinear(nn.Linear):
         return F.linear(x, _Times.apply(self.weight, self.factor), self.bias)
 
 
+class Square(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * x
+
+
+def sqrt_at_zero_net() -> nn.Sequential:
+    """Linear (no bias), x * x, sqrt, Linear: a zero input row is a sqrt at 0, whose Inf
+    gradient the square turns into NaN (0 * Inf) on its way to the first Linear's weight."""
+    net = nn.Sequential(nn.Linear(16, 16), Square(), SqrtOfInput(), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].bias.zero_()
+    return net
+
+
 class GradScaler(nn.Module):
     """Identity whose backward multiplies the gradient by ``factor``."""
 
@@ -112,13 +126,16 @@ def first_nonfinite_output(net: nn.Sequential, x: Tensor) -> tuple[int, Tensor]:
     raise AssertionError("the planted fault made nothing non-finite")
 
 
-@pytest.fixture(params=["replay", "eager", "deferred"])
+@pytest.fixture(params=["model", "modules", "eager", "deferred"])
 def mode(request, monkeypatch):
-    """Run a test with the default watch (a light screen, then a replay under the per-call
-    watch), and with the per-call watch from the start: every record measured as it arrives
-    (CPU records with large gradients), or every record kept and reduced once at the end of
-    the backward (small CPU records, and all records on accelerators)."""
-    monkeypatch.setattr(_core, "REPLAY_BY_DEFAULT", request.param == "replay")
+    """Run a test with the default watch (a light screen of the model, or of every selected
+    module, then a replay under the per-call watch), and with the per-call watch from the
+    start: every record measured as it arrives (CPU records with large gradients), or every
+    record kept and reduced once at the end of the backward (small CPU records, and all
+    records on accelerators)."""
+    monkeypatch.setattr(_core, "REPLAY_BY_DEFAULT", request.param in ("model", "modules"))
+    monkeypatch.setattr(_core, "DEFAULT_SCREEN",
+                        "modules" if request.param == "modules" else "model")
     monkeypatch.setattr(_core, "EAGER_ON_CPU", request.param == "eager")
     monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
     return request.param
@@ -179,9 +196,10 @@ def test_the_innermost_module_is_reported_not_its_ancestors():
         ("1.1.1", "forward", "output")]
 
 
+@pytest.mark.parametrize("screen", ["model", "modules"])
 @pytest.mark.parametrize(("value", "kind"),
                          [(math.nan, "nan"), (math.inf, "inf"), (-math.inf, "inf")])
-def test_nan_or_inf_planted_by_a_forward_hook(value, kind):
+def test_nan_or_inf_planted_by_a_forward_hook(value, kind, screen):
     torch.manual_seed(0)
     net = twenty_layers(None)
 
@@ -191,8 +209,16 @@ def test_nan_or_inf_planted_by_a_forward_hook(value, kind):
         return out
 
     net[6].register_forward_hook(plant)  # before detect: detect sees the planted output
-    with gt.detect(net, action="record") as det:
-        net(torch.randn(4, 16)).sum().backward()
+    with gt.detect(net, action="record", screen=screen) as det:
+        out = net(torch.randn(4, 16))
+        out.sum().backward()
+    if screen == "model" and kind == "inf":
+        # The Tanh after it maps +-Inf to +-1 and its gradient there to 0: the output and
+        # every gradient stay finite, and only a screen of each module sees the Inf.
+        assert torch.isfinite(out).all()
+        assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+        assert det.anomalies == []
+        return
     (a,) = det.anomalies
     assert (a.module_name, a.module_type, a.kind, a.where, a.slot) == (
         "6", "Linear", kind, "forward", "output")
@@ -265,10 +291,16 @@ def test_nan_made_by_unselected_code_in_the_models_own_forward_is_blamed_on_the_
 # -- backward origin --------------------------------------------------------------------------
 
 
-def test_backward_only_inf_from_sqrt_at_zero(mode):
+@pytest.mark.parametrize("masked", [False, True])
+def test_backward_only_inf_from_sqrt_at_zero(mode, masked):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4))
-    x = torch.randn(8, 16)
+    if masked:  # a ReLU before the sqrt: its backward zeroes the Inf (a harmless step)
+        net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4))
+        x = torch.randn(8, 16)
+    else:
+        net = sqrt_at_zero_net()
+        x = torch.randn(8, 16)
+        x[:3] = 0.0
     # Oracle: a finite forward, and the gradient the sqrt sends to its input, by autograd.grad.
     h = net[1](net[0](x)).detach().requires_grad_()
     out = net[3](net[2](h))
@@ -277,6 +309,11 @@ def test_backward_only_inf_from_sqrt_at_zero(mode):
     assert torch.isinf(g).any()
     with gt.detect(net, action="record") as det:
         net(x).sum().backward()
+    grads_finite = all(torch.isfinite(p.grad).all() for p in net.parameters())
+    assert grads_finite == masked
+    if masked and mode == "model":
+        assert det.anomalies == []  # the model's screen sees only what reaches a gradient
+        return
     (a,) = det.anomalies
     assert (a.module_name, a.module_type, a.kind, a.where, a.slot) == (
         "2", "SqrtOfInput", "inf", "grad_input", "x")
@@ -514,11 +551,11 @@ class Evil:
 
 def test_dumps_hold_the_full_record_and_load_with_weights_only(tmp_path, mode):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), SqrtOfInput(), nn.Linear(16, 4))
+    net = sqrt_at_zero_net()
     with gt.detect(net, action="record", dump_dir=tmp_path / "dumps") as det:
         net(torch.randn(8, 16)).sum().backward()
         det.step()
-        net(-torch.ones(2, 16) * 1e3).sum().backward()  # ReLU gives 0: sqrt at 0 again
+        net(torch.zeros(2, 16)).sum().backward()  # sqrt at 0
     a = det.anomalies[0]
     files = sorted((tmp_path / "dumps").iterdir())
     assert [str(f) for f in files] == sorted(x.dump_path for x in det.anomalies)
@@ -616,6 +653,11 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
         gt.detect(net, spike=10.0, replay=True)
     with pytest.raises(ValueError, match="replay must be None, True or False; got 1"):
         gt.detect(net, replay=1)
+    with pytest.raises(ValueError, match="screen must be None, 'model' or 'modules'; got 'all'"):
+        gt.detect(net, screen="all")
+    for kw in ({"replay": False}, {"spike": 10.0}):
+        with pytest.raises(ValueError, match="screen= chooses what the replay watch screens"):
+            gt.detect(net, screen="modules", **kw)
     with pytest.raises(gt.SelectionError, match="matches no module"):
         gt.detect(net, select="1*")
     (tmp_path / "file").write_text("x")
@@ -735,19 +777,38 @@ def test_benchmark_script_runs_quick():
 # -- the default watch: a light screen, then a replay ------------------------------------------
 
 
+@pytest.mark.parametrize("screen", ["model", "modules"])
 @pytest.mark.parametrize("depth", [3, 30])
 def test_a_healthy_step_under_the_replay_watch_costs_one_host_copy_and_no_sync_in_hooks(
-        monkeypatch, depth):
+        monkeypatch, depth, screen):
     net, x, y, copies = _counted_tanh_net(monkeypatch, depth)
-    with gt.detect(net) as det:
+    with gt.detect(net, screen=screen) as det:
         for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
             monkeypatch.setattr(torch.Tensor, name, _forbidden(name))
         for _ in range(2):
-            F.cross_entropy(net(x), y).backward()  # the forward is checked with the backward
+            det.check_loss(F.cross_entropy(net(x), y)).backward()  # one check, at the end
             net.zero_grad()
             det.step()
         monkeypatch.undo()
     assert copies and len(copies) == 2  # one per step, whatever the depth
+
+
+def test_the_model_screen_sees_a_gradient_that_only_reaches_the_input():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), BadInputGrad(), nn.Linear(4, 2))
+    net.requires_grad_(False)  # frozen: the input's gradient is all a backward makes
+    x = torch.randn(3, 4, requires_grad=True)  # a leaf reused every step
+    with gt.detect(net, action="record") as det:
+        for _ in range(3):
+            net(x).sum().backward()
+            det.step()
+            x.grad = None
+    # Oracle: the input's gradient, by autograd.grad without detect.
+    (g,) = torch.autograd.grad(net(x).sum(), x)
+    assert not torch.isfinite(g).any()
+    assert [(a.module_name, a.kind, a.where, a.slot, a.step) for a in det.anomalies] == [
+        ("1", "inf", "grad_input", "x", s) for s in range(3)]
+    assert not x._backward_hooks  # the screen's hook on the leaf went with its backward
 
 
 class _Net(nn.Module):
@@ -777,7 +838,7 @@ def test_the_replay_reproduces_the_step_and_leaves_grads_buffers_rng_and_other_t
     assert torch.isinf(h.grad).any()
     assert all(torch.isfinite(p.grad).all() for p in ref.parameters())  # hidden from params
     torch.manual_seed(5)
-    with gt.tap(net) as other, gt.detect(net, action="record") as det:
+    with gt.tap(net) as other, gt.detect(net, action="record", screen="modules") as det:
         net(x).sum().backward()
     (a,) = det.anomalies
     assert (a.module_name, a.kind, a.where, a.slot, a.call) == (
@@ -825,13 +886,14 @@ class _Checkpointed(nn.Module):
 def test_activation_checkpointing_replays_without_counting_recomputations():
     torch.manual_seed(0)
     net = _Checkpointed()
-    with gt.detect(net, action="record") as det:
+    with gt.detect(net, action="record", screen="modules") as det:  # ReLU: a masked Inf
         net(torch.randn(16, 8)).sum().backward()
     assert [(a.module_name, a.where, a.slot, a.call) for a in det.anomalies] == [
         ("block.1", "grad_input", "x", 0)]
 
 
-def test_a_gradient_entering_other_than_through_the_outputs_is_still_reported():
+@pytest.mark.parametrize("screen", ["model", "modules"])
+def test_a_gradient_entering_other_than_through_the_outputs_is_still_reported(screen):
     class Aux(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -843,17 +905,44 @@ def test_a_gradient_entering_other_than_through_the_outputs_is_still_reported():
 
     torch.manual_seed(0)
     net = Aux()
-    with gt.detect(net, action="record") as det:
+    with gt.detect(net, action="record", screen=screen) as det:
         out = net(torch.randn(3, 4))
         aux = (net.hidden - net.hidden.detach()).sqrt().sum()  # dL/d hidden = +Inf
         (out.sum() + aux).backward()
     (a,) = det.anomalies
-    assert (a.module_name, a.kind, a.where, a.slot) == ("fc1", "inf", "grad_output", "output")
     assert "did not reproduce it" in a.message and "replay=False" in a.message
-    assert a.inf == 12 and a.record is None
+    assert a.record is None
+    if screen == "modules":  # the screen saw dL/d hidden itself
+        assert (a.module_name, a.kind, a.where, a.slot) == (
+            "fc1", "inf", "grad_output", "output")
+        assert a.inf == 12
+    else:  # the model's screen saw what it did to fc1's weight: Inf times inputs, summed
+        g = net.fc1.weight.grad
+        assert (a.module_name, a.kind, a.where, a.slot) == (
+            "fc1", "nan" if torch.isnan(g).any() else "inf", "param_grad", "weight")
+        assert (a.nan, a.inf) == (int(torch.isnan(g).sum()), int(torch.isinf(g).sum()))
+        assert a.nan + a.inf == 16
 
 
-def test_a_forward_fault_gone_before_the_replay_is_reported_from_the_screen():
+def test_a_loss_on_an_intermediate_alone_is_checked_at_step():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(3, 4))
+        hidden = net[0](torch.randn(3, 4))  # a call of a submodule only: the model's screen
+        (hidden - hidden.detach()).sqrt().sum().backward()  # sees no gradient of its own
+        assert det.anomalies == []
+        det.step()  # the parameter gradients are checked here
+        (a,) = det.anomalies
+        assert (a.module_name, a.where, a.slot, a.step) == ("0", "param_grad", "weight", 0)
+        det.step()  # the same stale .grad is not reported again
+        net(torch.randn(3, 4))
+        det.step()
+    assert len(det.anomalies) == 1
+
+
+@pytest.mark.parametrize("screen", ["model", "modules"])
+def test_a_forward_fault_gone_before_the_replay_is_reported_from_the_screen(screen):
     class Flaky(nn.Module):
         fault = False
 
@@ -862,11 +951,18 @@ def test_a_forward_fault_gone_before_the_replay_is_reported_from_the_screen():
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), Flaky(), nn.Linear(4, 2))
-    with gt.detect(net, action="record") as det:
+    with gt.detect(net, action="record", screen=screen) as det:
         net[1].fault = True
         loss = net(torch.randn(3, 4)).sum()
         net[1].fault = False  # state the replay cannot see
         det.check_loss(loss)
+        assert det.should_skip()  # the check runs here (no backward came)
     (a,) = det.anomalies
-    assert (a.module_name, a.kind, a.where, a.slot) == ("1", "nan", "forward", "output")
-    assert "did not reproduce it" in a.message and a.nan == 12
+    assert "did not reproduce it" in a.message
+    if screen == "modules":
+        assert (a.module_name, a.kind, a.where, a.slot, a.nan) == (
+            "1", "nan", "forward", "output", 12)
+    else:
+        assert (a.module_name, a.kind, a.where, a.slot, a.nan) == (
+            "", "nan", "forward", "output", 6)
+        assert "screen='modules'" in a.message

@@ -131,9 +131,11 @@ class HookSet:
 
         self._handles.append(module.register_forward_hook(forward_hook))
 
-    def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> None:
+    def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> RemovableHandle | None:
         """Run ``fn(grad)`` with the gradient w.r.t. ``t`` as it is now, in each backward that
-        computes it. The hook lives as long as ``t``'s graph; no handle is kept."""
+        computes it. On a non-leaf the hook lives as long as ``t``'s graph and ``None`` is
+        returned. A leaf outlives any graph (an input tensor reused every step), so its hook's
+        handle is returned: the caller removes it when the backward it waits for is over."""
 
         node, nr = t.grad_fn, t.output_nr
         if node is None:  # a leaf: its own hook (slower, but leaves are rare here)
@@ -142,8 +144,7 @@ class HookSet:
                 if self.enabled and _Replay.owner is None:
                     fn(g)
 
-            t.register_hook(leaf_hook)
-            return
+            return t.register_hook(leaf_hook)
 
         # A pre-hook on the node that made t (what Tensor.register_hook installs too, minus
         # the Python bookkeeping, which costs more than the rest of a light hook).
@@ -154,6 +155,7 @@ class HookSet:
                     fn(g)
 
         node.register_prehook(prehook)
+        return None
 
     def add(self, handle: RemovableHandle) -> None:
         """Adopt a handle registered elsewhere in this module."""

@@ -1,6 +1,8 @@
 """Find where gradients break: the origin of NaN, Inf and gradient spikes, with dumps.
 
-``gt.detect(model)`` screens every step cheaply (``_replay.Screen``), replays a step found
+``gt.detect(model)`` screens every step cheaply (``_replay.Screen``: the model's outputs,
+the gradients at its boundary and every parameter gradient; each selected call's outputs and
+their gradients too with ``screen="modules"``), replays a step found
 non-finite under a watch of every call (``_core.Detector`` with ``replay=False``), and
 reports, per event, the innermost module where a non-finite value first appeared (or the
 loss, as ``"<loss>"``), the slot, NaN/Inf counts, the ranges of the module's forward tensors

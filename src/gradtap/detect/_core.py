@@ -71,6 +71,8 @@ __all__ = ["Detector", "detect"]
 
 ActionLiteral = Literal["raise", "warn", "record"]
 _ACTIONS = ("raise", "warn", "record")
+ScreenLiteral = Literal["model", "modules"]
+_SCREENS = ("model", "modules")
 #: Measure a record as it arrives when its gradients are on the CPU (no device to sync with)
 #: and hold at least ``EAGER_MIN_ELEMENTS`` new elements, so that only records that may be
 #: reported keep their gradients alive. Other records are kept until the end of the backward
@@ -80,6 +82,8 @@ EAGER_MIN_ELEMENTS = 1 << 15
 #: ``replay=None`` means replay when ``spike`` is None (tests switch it off to run the per-call
 #: watch on the same cases).
 REPLAY_BY_DEFAULT = True
+#: What the replay watch screens when ``screen=None`` (tests switch it to run both screens).
+DEFAULT_SCREEN: ScreenLiteral = "model"
 _graph_task_id = torch._C._current_graph_task_id
 _ROLES = (("grad_output", "grad_outputs"), ("grad_input", "grad_inputs"),
           ("param_grad", "param_grads"))
@@ -152,6 +156,7 @@ class Detector:
         *,
         spike_beta: float = 0.9,
         replay: bool | None = None,
+        screen: ScreenLiteral | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
@@ -175,6 +180,13 @@ class Detector:
         if replay and spike is not None:
             raise ValueError("replay=True cannot watch spikes: a spike needs every module's norms "
                              "at every step; leave replay=None (per-call watch) or set spike=None")
+        replays = replay if replay is not None else (spike is None and REPLAY_BY_DEFAULT)
+        if screen is not None and screen not in _SCREENS:
+            raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
+        if screen is not None and not replays:
+            raise ValueError("screen= chooses what the replay watch screens each step; the "
+                             "per-call watch (replay=False, or spike=) checks every selected call "
+                             "anyway: leave screen=None")
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -215,8 +227,9 @@ class Detector:
         self._ready: list[Anomaly] = []  # found by a replay, dumped, not yet raised or warned
         self._screen: Screen | None = None
         self._tap: Tap | None = None
-        if replay if replay is not None else (spike is None and REPLAY_BY_DEFAULT):
-            self._screen = Screen(model, selected)
+        if replays:
+            by_module = (screen or DEFAULT_SCREEN) == "modules"
+            self._screen = Screen(model, selected if by_module else [])
             self._screen.on_backward_end = self._screened_backward
             return
         names = self._selected | ({""} if self._watch_root else set())
@@ -234,13 +247,17 @@ class Detector:
         return self._step
 
     def check_loss(self, loss: Tensor) -> Tensor:
-        """Check the forward and ``loss`` now, before the backward; returns ``loss``.
+        """Have ``loss`` checked with the forward; returns ``loss``.
 
         A non-finite loss is reported as module ``"<loss>"`` (``where="forward"``) when the
-        model's forward was finite. This is the forward's one host sync (otherwise it happens
-        when the backward starts), and it comes while every forward tensor saved for backward
-        is still there, so the report's NaN/Inf counts are exact more often. Without it, a
-        non-finite loss is only seen if its gradient is non-finite too (``where="grad_output"``).
+        model's forward was finite. Without it, a non-finite loss is only seen if its gradient
+        is non-finite too (``where="grad_output"``).
+
+        The default (replay) watch adds the loss to the step's one check at the end of the
+        backward (or at :meth:`step`, :meth:`should_skip`, :meth:`check` when no backward
+        comes): no host sync here. The per-call watch (``replay=False``) checks the forward
+        and the loss now, before the backward: the forward's one host sync, while every
+        forward tensor saved for backward is still there.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
@@ -249,8 +266,7 @@ class Detector:
         if not isinstance(loss, Tensor):
             raise TypeError(f"check_loss() needs a Tensor; got {type(loss).__name__}")
         if self._screen is not None:
-            self._screen_forward(loss)
-            self._emit()
+            self._screen.add_loss(loss)
         elif self.nonfinite:
             if loss.is_floating_point() and loss.numel():
                 m = self._measured
@@ -297,6 +313,13 @@ class Detector:
         """
         try:
             self._check_forward()
+            screen = self._screen
+            if screen is not None and screen.calls and not screen.backward_checked:
+                # No backward reached a screened tensor (none ran, or only a loss on an
+                # intermediate): the parameter gradients are still checked once.
+                suspects = screen.check(backward=True, stale=True)
+                if suspects:
+                    self._localize(suspects, [])
             self._emit()
         finally:
             self._update_ewma()
@@ -458,11 +481,11 @@ class Detector:
 
     # -- the replay watch (see _replay.py) --------------------------------------------------
 
-    def _screen_forward(self, loss: Tensor | None) -> None:
+    def _screen_forward(self) -> None:
         assert self._screen is not None
-        suspects = self._screen.check(loss=loss)
+        suspects = self._screen.check()
         if suspects:
-            self._localize(suspects, [], loss)
+            self._localize(suspects, [])
 
     def _screened_backward(self, backward: list[RootCall]) -> None:
         """End of a backward that reached a screened output: one check, a replay if bad."""
@@ -470,13 +493,18 @@ class Detector:
         if not any(c.reported for c in backward):  # else: consequences of a reported forward
             suspects = self._screen.check(backward=True)
             if suspects:
-                self._localize(suspects, backward, None)
+                self._localize(suspects, backward)
         self._emit()
 
-    def _localize(self, suspects: list[Suspect], backward: list[RootCall],
-                  loss: Tensor | None) -> None:
-        """Replay the step under a per-call watch to find where the suspects came from."""
+    def _localize(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
+        """Replay the step under a per-call watch to find where the suspects came from.
+
+        A bad loss is checked after a replay of the forward alone: its gradient would only
+        repeat it."""
         assert self._screen is not None
+        loss = next((s.tensor for s in suspects if s.where == "loss"), None)
+        if loss is not None:
+            backward = []
         watch = Detector(self._model, self._select, warmup=self.warmup, action="record",
                          dump_dir=self.dump_dir, replay=False)
         watch._step = self._step
@@ -522,6 +550,9 @@ class Detector:
             what = f"the gradient of parameter {slot!r}"
         elif s.where == "loss":
             name, slot, where, what = LOSS, "loss", "forward", "the loss value"
+        elif s.where == "grad_input":
+            name, slot, where = s.module, s.key, "grad_input"
+            what = f"dL/d(input {slot!r})"
         else:
             name, slot = s.module, s.key
             where = "forward" if s.where == "forward" else "grad_output"
@@ -538,11 +569,19 @@ class Detector:
         why = (f"the replay failed ({type(failure).__name__}: {failure})" if failure is not None
                else "running the step's forward and backward again did not reproduce it")
         counts = f"it {counts_phrase(stat)}; " if stat is not None else ""
-        seen = {"forward": "the first selected call, in the order calls finished, whose output "
-                           "was non-finite (its inputs and parameters were not checked: code of "
-                           "an enclosing module may have made the value before this call)",
-                "grad_output": "the first gradient the screen saw non-finite, in backward order",
-                }.get(where, "what the screen saw after the backward")
+        if where == "forward" and name == "":
+            seen = ("the model's output (the screen watches the model's outputs, not each "
+                    "module's: gt.detect(..., screen='modules') screens every selected call)")
+        else:
+            seen = {"forward": "the first selected call, in the order calls finished, whose "
+                               "output was non-finite (its inputs and parameters were not "
+                               "checked: code of an enclosing module may have made the value "
+                               "before this call)",
+                    "grad_output": "the first gradient the screen saw non-finite, in backward "
+                                   "order",
+                    "grad_input": "the first gradient the screen saw non-finite, in backward "
+                                  "order",
+                    }.get(where, "what the screen saw after the backward")
         head = (f"{'NaN' if kind == 'nan' else 'Inf'} found at step {self._step} in {what} of "
                 f"{label}: {counts}{why}, so this reports {seen}.")
         hint = ("the forward may depend on state other than buffers and the RNG, a kernel may "
@@ -562,7 +601,7 @@ class Detector:
     def _check_forward(self) -> None:
         if self._screen is not None:
             if self._screen.unchecked():
-                self._screen_forward(None)
+                self._screen_forward()
             return
         m = self._measured
         if not m.calls and not m.losses:
@@ -964,6 +1003,7 @@ def detect(
     *,
     spike_beta: float = 0.9,
     replay: bool | None = None,
+    screen: ScreenLiteral | None = None,
 ) -> Detector:
     """Find where gradients break: the module where a NaN/Inf first appears, and spikes.
 
@@ -990,16 +1030,21 @@ def detect(
     Two ways to watch (``replay=``):
 
     * **replay** (the default when ``spike`` is None): a light screen, then a replay. Each
-      step, every selected call's outputs and the gradients reaching them are reduced on the
-      device (small tensors by reference, all at once), and the end of the backward reads
-      them with every parameter gradient's norm in one host copy; nothing else is hooked and
-      no record is made. Only when something is non-finite is the step's forward and backward
-      run again, with the same arguments, RNG and autocast state and the very gradients that
-      reached the model's outputs, under the per-call watch below, which names the origin.
-      The replay restores buffers and RNG state, leaves ``.grad`` alone, and other taps do
-      not see it. It cannot replay a forward that depends on other state or a gradient
-      entering the model other than through its outputs: such an anomaly is still reported,
-      at the first screened module or parameter that showed it, saying so.
+      step the screen reduces on the device the model's outputs, the loss given to
+      ``check_loss``, the gradients reaching the model's outputs and leaving its inputs, and
+      every parameter gradient, and reads them in one host copy at the end of the backward;
+      nothing else is hooked and no record is made. ``screen="modules"`` also screens every
+      selected call's outputs and the gradients reaching them (small tensors by reference, all
+      at once): slower, but it also sees a NaN/Inf that vanishes before it reaches any
+      parameter gradient, such as the Inf gradient of a sqrt at 0 that a ReLU before it masks
+      (harmless to that step's update, so the default screen lets it pass). Only when
+      something is non-finite is the step's forward and backward run again, with the same
+      arguments, RNG and autocast state and the very gradients that reached the model's
+      outputs, under the per-call watch below, which names the origin. The replay restores
+      buffers and RNG state, leaves ``.grad`` alone, and other taps do not see it. It cannot
+      replay a forward that depends on other state or a gradient entering the model other
+      than through its outputs: such an anomaly is still reported, from what the screen saw,
+      saying so.
     * **per-call watch** (``replay=False``, and always with ``spike``): every selected call
       is captured as it runs (device-side min/max of forward tensors, norms of every
       gradient of its record), with two host syncs per step: one for the forward (at
@@ -1022,6 +1067,8 @@ def detect(
         replay: ``None``: replay when ``spike`` is None, else the per-call watch; ``False``:
             the per-call watch (for a forward with side effects that must not run twice);
             ``True``: replay (not with ``spike``).
+        screen: what the replay watch screens each step: ``"model"`` (the default) or
+            ``"modules"`` (every selected call too); only with the replay watch.
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
@@ -1029,8 +1076,8 @@ def detect(
 
     Raises:
         SelectionError: ``select`` matched no module.
-        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir`` or ``replay``, or
-            ``replay=True`` with ``spike``.
+        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay`` or
+            ``screen``, ``replay=True`` with ``spike``, or ``screen`` with the per-call watch.
 
     Example:
         >>> import torch, gradtap as gt
@@ -1045,7 +1092,7 @@ def detect(
         ('0', 'nan', 'forward', 'bias', True)
     """
     return Detector(model, select, nonfinite, spike, warmup, action, dump_dir,
-                    spike_beta=spike_beta, replay=replay)
+                    spike_beta=spike_beta, replay=replay, screen=screen)
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -18,21 +18,34 @@ def measurable(g: Tensor) -> bool:
     return g.is_floating_point() and g.layout == torch.strided and g.numel() > 0
 
 
-def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = ()
-          ) -> np.ndarray:
-    """L2 norm of each tensor (float32 accumulation at least), then the value of each 0-d
-    tensor in ``extra``, with one host copy per device (``host=True``: CPU tensors, read
-    directly)."""
-    parts, order = [], []
-    for (_, dtype), idx in ops.group_by_device_dtype(tensors).items():
-        group = [tensors[i] for i in idx]
-        if dtype in (torch.float16, torch.bfloat16):
-            values = torch._foreach_norm(group, 2, dtype=torch.float32)
-        else:
-            values = torch._foreach_norm(group)
-        parts.append(torch.stack(values))
-        order.append(idx)
+def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (),
+          grouped: Sequence[Sequence[Tensor]] = ()) -> np.ndarray:
+    """L2 norm of each tensor (float32 accumulation at least), then of each tensor of each
+    list in ``grouped`` (lists the caller already knows to share one device and dtype), then
+    the value of each 0-d tensor in ``extra``, with one host copy per device (``host=True``:
+    CPU tensors, read directly)."""
+    # (device, dtype) -> tensors and their positions in the result: one foreach norm each.
+    by_key: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+    for key, idx in ops.group_by_device_dtype(tensors).items():
+        by_key[key] = ([tensors[i] for i in idx], list(idx))
     n = len(tensors)
+    for group in grouped:
+        if not group:
+            continue
+        head = group[0]
+        same = by_key.setdefault((head.device, head.dtype), ([], []))
+        same[0].extend(group)
+        same[1].extend(range(n, n + len(group)))
+        n += len(group)
+    parts, order = [], []
+    for ts, idx in by_key.values():
+        try:
+            parts.append(_norm_vector(ts))
+            order.append(idx)
+        except RuntimeError:  # a grouped list moved since it was grouped: regroup
+            for sub in ops.group_by_device_dtype(ts).values():
+                parts.append(_norm_vector([ts[i] for i in sub]))
+                order.append([idx[i] for i in sub])
     for _, idx in ops.group_by_device_dtype(list(extra)).items():
         parts.append(torch.stack([extra[i] for i in idx]))
         order.append([n + i for i in idx])
@@ -43,13 +56,27 @@ def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (
     return out
 
 
+def _norm_vector(group: list[Tensor]) -> Tensor:
+    """L2 norms [len(group)] of tensors of one device and dtype."""
+    if group[0].dtype in (torch.float16, torch.bfloat16):
+        return torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+    return torch.stack(torch._foreach_norm(group))
+
+
 def to_host(parts: list[Tensor]) -> list[np.ndarray]:
-    """Copy 1-d tensors to the host as float64 arrays: one transfer per device."""
+    """Copy 1-d tensors to the host as float64 arrays: one transfer per device (CPU tensors
+    are read where they are)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(parts):
         by_device.setdefault(t.device, []).append(i)
     out: list[np.ndarray] = [np.empty(0)] * len(parts)
-    for idx in by_device.values():
+    for device, idx in by_device.items():
+        if device.type == "cpu":
+            for i in idx:
+                t = parts[i].reshape(-1)
+                out[i] = (t.numpy().astype(np.float64) if t.dtype != torch.bfloat16
+                          else t.to(torch.float64).numpy())  # numpy has no bfloat16
+            continue
         flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
         host = flat.cpu().numpy()
         offset = 0

@@ -2,15 +2,20 @@
 
 A healthy step should cost little, so the screen keeps no records and walks no graph:
 
-* After each selected call (and each call of the model itself) its floating outputs are
-  screened, and a hook on each output that requires grad screens the gradient that reaches
-  it. A small tensor is kept by reference and reduced with the others in one batched norm at
-  the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
-* Around each call of the model itself the screen also keeps the arguments (references), the
-  RNG state and the autocast state: what a replay needs.
+* After each call of the model its floating outputs are screened, and a hook on each output
+  that requires grad screens the gradient that reaches it; a hook on each input that requires
+  grad screens the gradient that leaves the model. With ``screen="modules"`` every selected
+  call's outputs and their gradients are screened the same way, which also sees a NaN/Inf
+  that is masked before it reaches a parameter gradient (a ReLU after a sqrt at 0), at a cost
+  per call. A small tensor is kept by reference and reduced with the others in one batched
+  norm at the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
+* Around each call of the model the screen also keeps the arguments (references), the RNG
+  state and the autocast state: what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
   pending forward and gradient reduction plus the norms of every parameter gradient.
-  ``det.check_loss(loss)`` checks the forward and the loss before the backward instead.
+  ``det.check_loss(loss)`` adds the loss to that check. Without a backward (or when it
+  reached no screened tensor: a loss on an intermediate only), the check runs at
+  ``det.step()``, parameter gradients included.
 * Only when something is non-finite is the step run again, under the per-call watch of
   :class:`~gradtap.detect.Detector` (``replay=False``), which finds the origin and writes the
   full report (:meth:`Screen.replay`): this step's calls of the model in order, with the same
@@ -36,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from gradtap.capture import HookSet, Tap, at_end_of_backward, replaying
 from gradtap.detect import _host
@@ -73,8 +79,9 @@ class RootCall:
 
 class Suspect:
     """What the screen found non-finite: ``where`` is ``"forward"`` (an output of ``module``),
-    ``"loss"``, ``"grad_output"`` (dL/d an output of ``module``) or ``"param_grad"`` (``key``
-    is the parameter's name); ``tensor`` when still held."""
+    ``"loss"``, ``"grad_output"`` (dL/d an output of ``module``), ``"grad_input"`` (dL/d an
+    input of the model) or ``"param_grad"`` (``key`` is the parameter's name); ``tensor`` when
+    still held."""
 
     __slots__ = ("where", "module", "key", "tensor", "nan")
 
@@ -102,30 +109,40 @@ class _Pending:
             self.refs.append(t)
             self.ref_info.append((order, where, module, key))
         else:
-            lo, hi = torch.aminmax(t)
+            lo, hi = torch.aminmax(t.detach())
             self.ranges += (lo, hi)
             self.range_info.append((order, where, module, key, weakref.ref(t)))
 
 
 class Screen:
-    """Light hooks on the selected modules and the model; see the module docstring."""
+    """Light hooks on the model, and on ``modules`` (named) too; see the module docstring."""
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
         self.model = model
         self.calls: list[RootCall] = []  # this step's calls of the model, in call order
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
+        self.backward_checked = False  # a backward of this step was checked
         self._forward = _Pending()  # outputs since the last forward check
         self._grads = _Pending()  # gradients of the running backward
         self._open: list[RootCall | None] = []
         self._backward: list[RootCall] = []
         self._queued: int | None = None
+        self._leaf_hooks: list[RemovableHandle] = []  # on leaf tensors: removed after use
         # Parameters whose .grad was non-finite at the last check, and whether it still was
         # when the running backward began (device flags): a .grad that stays non-finite
         # because nobody zeroed it is not a new anomaly.
         self._bad_params: dict[int, Tensor] = {}
         self._finite_at_start: dict[int, Tensor] = {}
-        self._params = list(model.named_parameters())  # read once: cheaper per check
+        # Parameters read once (cheaper per check), grouped by device and dtype as their
+        # gradients will be.
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel():
+                groups.setdefault((p.device, p.dtype), []).append((name, p))
+        self._param_groups = list(groups.values())
+        # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
+        self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
         self._cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         self.hooks = HookSet()
         for name, module in modules:
@@ -145,13 +162,22 @@ class Screen:
         outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
         for path, t in outs:
             if _host.measurable(t):
-                self._forward.add("forward", name, path, t.detach())
+                self._forward.add("forward", name, path, t)  # detached if reported
                 if t.requires_grad:
-                    self.hooks.gradient(t, functools.partial(self._on_grad, name, path, call))
+                    self._hook_gradient(t, "grad_output", name, path, call)
+
+    def _hook_gradient(self, t: Tensor, where: str, name: str, path: str,
+                       call: RootCall | None) -> None:
+        handle = self.hooks.gradient(t, functools.partial(self._on_grad, where, name, path, call))
+        if handle is not None:
+            self._leaf_hooks.append(handle)
 
     def _before(self, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled() and _graph_task_id() == -1:
             self._open.append(RootCall(args, kwargs, self._cuda))
+            for path, t in _tensor_inputs(args, kwargs):
+                if t.requires_grad and _host.measurable(t):
+                    self._hook_gradient(t, "grad_input", "", path, None)
         else:
             self._open.append(None)
 
@@ -165,7 +191,8 @@ class Screen:
             old = self.calls[-MAX_KEPT_CALLS - 1]
             old.args, old.kwargs = None, {}
 
-    def _on_grad(self, name: str, path: str, call: RootCall | None, g: Tensor) -> None:
+    def _on_grad(self, where: str, name: str, path: str, call: RootCall | None,
+                 g: Tensor) -> None:
         task = _graph_task_id()
         if task != self._queued:
             self._queued = task
@@ -176,7 +203,7 @@ class Screen:
                                          for i, p in self._bad_params.items()
                                          if p.grad is not None}
         if _host.measurable(g):
-            self._grads.add("grad_output", name, path, g.detach() if g.requires_grad else g)
+            self._grads.add(where, name, path, g)
         if call is not None:  # the model's own output: kept for a replay of this backward
             if not any(c is call for c in self._backward):
                 self._backward.append(call)
@@ -191,8 +218,14 @@ class Screen:
                 self.on_backward_end(backward)
         finally:
             self._grads = _Pending()
+            self._remove_leaf_hooks()
             for call in backward:
                 call.grads = {}
+
+    def _remove_leaf_hooks(self) -> None:
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks = []
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -200,75 +233,104 @@ class Screen:
         """Whether screened forward outputs wait for a check."""
         return bool(self._forward.refs or self._forward.range_info)
 
-    def check(self, backward: bool = False, loss: Tensor | None = None) -> list[Suspect]:
-        """Check, with one host copy, the forward outputs screened since the last check,
-        ``loss``, and at the end of a backward its gradients and every parameter gradient.
-        Returns what is non-finite, forward first (empty for a healthy step)."""
+    def add_loss(self, loss: Tensor) -> None:
+        """Check ``loss`` with the forward outputs (``det.check_loss``)."""
+        if _host.measurable(loss):
+            self._forward.add("loss", LOSS, "loss", loss)
+
+    def check(self, backward: bool = False, *, stale: bool = False) -> list[Suspect]:
+        """Check, with one host copy, the forward outputs (and loss) screened since the last
+        check, and with ``backward`` the running backward's gradients and every parameter
+        gradient (``stale``: no backward was seen, so a ``.grad`` already known to be
+        non-finite is not new). Returns what is non-finite, forward first (empty for a healthy
+        step)."""
         fwd, self._forward = self._forward, _Pending()
         pending = [fwd]
-        if loss is not None and _host.measurable(loss):
-            extra = _Pending()
-            extra.refs.append(loss.detach())
-            extra.ref_info.append((0, "loss", LOSS, "loss"))
-            pending.append(extra)
-        params: list[Tensor] = []
+        params: list[tuple[str, Tensor]] = []
+        grad_groups: list[list[Tensor]] = []
         if backward:
+            self.backward_checked = True
             pending.append(self._grads)
             if not self.quiet_params:
-                part = _Pending()
-                for name, p in self._params:
-                    g = p.grad
-                    if g is not None and _host.measurable(g):
-                        part.refs.append(g)  # whatever the size: one foreach norm
-                        part.ref_info.append((len(part.refs), "param_grad", "", name))
-                        params.append(p)
-                pending.append(part)
+                params, grad_groups = self._param_grads()
         started = self._finite_at_start if backward else {}
         self._finite_at_start = {}
         refs = [t for part in pending for t in part.refs]
         ranges = [t for part in pending for t in part.ranges]
-        if not refs and not ranges:
+        if not refs and not ranges and not params:
             return []
         with torch.no_grad():
-            # The one host copy.
-            values = _host.norms(refs, extra=[*ranges, *started.values()])
-        was_finite = dict(zip(started, values[len(refs) + len(ranges):]))
+            # The one host copy; parameter gradients are norms of their own (whatever size).
+            values = _host.norms(refs, extra=[*ranges, *started.values()], grouped=grad_groups)
+        if math.isfinite(values.sum()):  # a healthy step
+            if params:
+                self._bad_params.clear()
+            return []
+        first_param = len(refs)
+        n_refs = first_param + len(params)
+        was_finite = dict(zip(started, values[n_refs + len(ranges):]))
+        bad = np.flatnonzero(~np.isfinite(values[:n_refs])).tolist()
+        grads = [g for group in grad_groups for g in group]
+        refs += grads
+        if self._bad_params and grads:  # a .grad known to be non-finite may be finite again
+            now_bad = {id(params[i - first_param][1]) for i in bad if i >= first_param}
+            for k in [k for k in self._bad_params if k not in now_bad]:
+                del self._bad_params[k]
         found: list[tuple[int, int, Suspect]] = []  # (part, order, suspect)
-        i = j = 0
-        n_params = len(params)
-        first_param = len(refs) - n_params
-        for n, part in enumerate(pending):
-            for (order, where, module, key), t in zip(part.ref_info, part.refs):
-                # An L2 norm can overflow on finite values: then look at the tensor itself.
-                if not math.isfinite(values[i]) and not bool(torch.isfinite(t).all()):
-                    if i >= first_param:
-                        p = params[i - first_param]
-                        self._bad_params[id(p)] = p
-                        if was_finite.get(id(p), 1.0) == 0.0:
-                            i += 1
-                            continue  # non-finite before this backward: not new
-                    found.append((n, order, Suspect(where, module, key, t)))
-                elif i >= first_param:
-                    self._bad_params.pop(id(params[i - first_param]), None)
-                i += 1
-        lohi = values[len(refs):]
+        info = [(n, x) for n, part in enumerate(pending) for x in part.ref_info] if bad else []
+        for i in bad:
+            t = refs[i]
+            if bool(torch.isfinite(t).all()):
+                continue  # the L2 norm overflowed on finite values
+            if i < first_param:
+                n, (order, where, module, key) = info[i]
+                found.append((n, order, Suspect(where, module, key, t.detach())))
+                continue
+            name, p = params[i - first_param]
+            known = id(p) in self._bad_params
+            self._bad_params[id(p)] = p
+            if (stale and known) or was_finite.get(id(p), 1.0) == 0.0:
+                continue  # non-finite before this backward: not new
+            found.append((len(pending), i - first_param,
+                          Suspect("param_grad", "", name, t.detach())))
+        lohi = values[n_refs:]
+        j = 0
         for n, part in enumerate(pending):
             for order, where, module, key, ref in part.range_info:
                 lo, hi = lohi[j], lohi[j + 1]
                 if not (math.isfinite(lo) and math.isfinite(hi)):
-                    found.append((n, order, Suspect(where, module, key, ref(),
+                    t = ref()
+                    found.append((n, order, Suspect(where, module, key,
+                                                    None if t is None else t.detach(),
                                                     nan=bool(np.isnan(lo) or np.isnan(hi)))))
                 j += 2
         # In the order they were screened: calls as they finished, gradients as they arrived.
         return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
 
+    def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]]]:
+        """The parameters with a gradient to check, and their gradients by device and dtype."""
+        params, groups = [], []
+        for group in self._param_groups:
+            grads = [p.grad for _, p in group]
+            if not self._maybe_sparse and not any(g is None for g in grads):
+                params += group
+                groups.append(grads)
+                continue
+            keep = [i for i, g in enumerate(grads) if g is not None and _host.measurable(g)]
+            params += [group[i] for i in keep]
+            groups.append([grads[i] for i in keep])
+        return params, groups
+
     def new_step(self) -> None:
         """Forget this step's calls (``det.step()``)."""
         self.calls = []
         self.quiet_params = False
+        self.backward_checked = False
+        self._remove_leaf_hooks()
 
     def remove(self) -> None:
         self.hooks.remove()
+        self._remove_leaf_hooks()
         self.calls = []
         self._open = []
         self._forward = _Pending()
@@ -312,6 +374,19 @@ class Screen:
                                             allow_unused=True)
                     else:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """``(path, tensor)`` of the tensors in a call's arguments: ``args.N`` and keywords."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            out.append((f"args.{i}", a))
+        elif a is not None and not isinstance(a, (int, float, bool, str)):
+            out += flatten_tensors(a, f"args.{i}", under_prefix=True)
+    for k, v in kwargs.items():
+        out += [(k, v)] if isinstance(v, Tensor) else flatten_tensors(v, k, under_prefix=True)
+    return out
 
 
 def _detached(obj: Any) -> Any:
