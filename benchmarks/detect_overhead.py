@@ -9,8 +9,9 @@ a replay would run only after an anomaly, so never here), with ``det.check_loss(
 their gradients screened too); the same with ``replay=False`` (every call captured as it runs);
 the same with ``spike=10`` (which uses the per-call watch); and the step inside
 ``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
-interleaved rounds (A B C A B C ...), median per step; each variant's hooks exist only while it
-runs.
+interleaved rounds (A B C A B C ...), median per step; each ratio is the median over rounds of
+the variant's time over the plain step's in the same round (a paired comparison: drift between
+rounds on a noisy machine cancels). Each variant's hooks exist only while it runs.
 
 Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, and a deep narrow net
 (40 x Linear(64, 64) + Tanh), where per-op checks hurt most.
@@ -91,8 +92,9 @@ VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] =
 
 
 def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: int
-                 ) -> dict[str, float]:
-    """Median seconds per step of each variant, in interleaved rounds (round 0 is warmup)."""
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of each variant, and the median over rounds of its ratio to
+    the plain step of the same round, in interleaved rounds (round 0 is warmup)."""
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for r in range(rounds + 1):
         for name, make in VARIANTS.items():
@@ -105,7 +107,10 @@ def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: 
             getattr(fn, "cleanup", lambda: None)()
             if r:
                 samples[name].append(elapsed)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    plain = samples["plain"]
+    return ({name: statistics.median(v) for name, v in samples.items()},
+            {name: statistics.median(a / b for a, b in zip(v, plain))
+             for name, v in samples.items()})
 
 
 def _steps_for(model: nn.Module, x: Tensor, y: Tensor, budget: float, cap: int) -> int:
@@ -123,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser.parse_args(argv)
     # detect_anomaly warns that it is slow, once per use.
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-    rounds = 1 if args.quick else 7
+    rounds = 1 if args.quick else 21
     if args.quick:
         builders = {"MLP, batch 8": lambda: _models.mlp(batch=8),
                     "deep narrow 4 x (Linear(16, 16) + Tanh), batch 8":
@@ -136,27 +141,27 @@ def main(argv: Sequence[str] | None = None) -> str:
     rows = []
     for label, build in builders.items():
         model, x, y = build()
-        steps = 1 if args.quick else _steps_for(model, x, y, budget=0.5, cap=20)
-        t = _interleaved(model, x, y, steps=steps, rounds=rounds)
-        base = t["plain"]
+        steps = 1 if args.quick else _steps_for(model, x, y, budget=0.3, cap=10)
+        t, ratio = _interleaved(model, x, y, steps=steps, rounds=rounds)
 
-        def cell(v: float, base: float = base) -> str:
-            return f"{v * 1e3:.2f} ms ({v / base:.2f}x)"
+        def cell(name: str, t: dict[str, float] = t, ratio: dict[str, float] = ratio) -> str:
+            return f"{t[name] * 1e3:.2f} ms ({ratio[name]:.2f}x)"
 
-        def share(v: float, base: float = base, ref: float = t["anomaly"] - base) -> str:
-            return f"{(v - base) / ref:.2f}" if ref > 0 else "-"
+        def share(name: str, ratio: dict[str, float] = ratio) -> str:
+            ref = ratio["anomaly"] - 1.0
+            return f"{(ratio[name] - 1.0) / ref:.2f}" if ref > 0 else "-"
 
-        rows.append([label, f"{base * 1e3:.2f} ms ({steps} steps)", cell(t["detect"]),
-                     cell(t["detect_modules"]), cell(t["detect_calls"]),
-                     cell(t["detect_spike"]), cell(t["anomaly"]),
-                     f"{share(t['detect'])} / {share(t['detect_modules'])} / "
-                     f"{share(t['detect_calls'])} / {share(t['detect_spike'])}"])
+        rows.append([label, f"{t['plain'] * 1e3:.2f} ms ({steps} steps)", cell("detect"),
+                     cell("detect_modules"), cell("detect_calls"), cell("detect_spike"),
+                     cell("anomaly"), f"{share('detect')} / {share('detect_modules')} / "
+                     f"{share('detect_calls')} / {share('detect_spike')}"])
     header = ["model", "plain step", "gt.detect", "gt.detect(screen='modules')",
               "gt.detect(replay=False)", "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
               "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)"]
     table = markdown_table(header, rows)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
-          "interleaved rounds (steps per round in the plain column)")
+          "interleaved rounds (steps per round in the plain column); each ratio is the median "
+          "over rounds of the variant's time over the plain step's in the same round")
     print(table)
     return table
 

@@ -966,3 +966,26 @@ def test_a_forward_fault_gone_before_the_replay_is_reported_from_the_screen(scre
         assert (a.module_name, a.kind, a.where, a.slot, a.nan) == (
             "", "nan", "forward", "output", 6)
         assert "screen='modules'" in a.message
+
+
+def test_large_parameter_gradients_are_screened_by_their_sum_without_false_alarms():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1024, 256))
+    assert net[0].weight.numel() >= _host.BIG  # reduced by its own sum, not the foreach norm
+    x = torch.randn(2, 1024)
+    with gt.detect(net, action="record") as det:
+        # Finite gradients whose float32 sum overflows: re-checked element-wise, not reported.
+        (net(x).sum() * 0 + (net[0].weight * 3e37).sum()).backward()
+        assert torch.isfinite(net[0].weight.grad).all()
+        assert not torch.isfinite(net[0].weight.grad.sum())
+        net.zero_grad()
+        det.step()
+        assert det.anomalies == []
+        scale = torch.ones(256, 1024)
+        scale[3, 5] = math.nan  # one NaN element in the weight's gradient
+        (net(x).sum() + (net[0].weight * scale).sum()).backward()
+        det.step()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.step) == ("0", "nan", "param_grad",
+                                                                 "weight", 1)
+    assert (a.nan, a.inf) == (1, 0)

@@ -260,8 +260,9 @@ class Screen:
         if not refs and not ranges and not params:
             return []
         with torch.no_grad():
-            # The one host copy; parameter gradients are norms of their own (whatever size).
-            values = _host.norms(refs, extra=[*ranges, *started.values()], grouped=grad_groups)
+            # The one host copy; parameter gradients are reduced whatever their size.
+            values = _host.norms(refs, extra=[*ranges, *started.values()], grouped=grad_groups,
+                                 finiteness_only=True)
         if math.isfinite(values.sum()):  # a healthy step
             if params:
                 self._bad_params.clear()
@@ -281,7 +282,7 @@ class Screen:
         for i in bad:
             t = refs[i]
             if bool(torch.isfinite(t).all()):
-                continue  # the L2 norm overflowed on finite values
+                continue  # the norm or sum overflowed on finite values
             if i < first_param:
                 n, (order, where, module, key) = info[i]
                 found.append((n, order, Suspect(where, module, key, t.detach())))
