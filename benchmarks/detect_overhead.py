@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _timing import markdown_table  # noqa: E402
+from gradtap.detect._replay import Screen  # noqa: E402
 
 
 def deep_narrow(depth: int = 40, width: int = 64, batch: int = 128,
@@ -113,6 +114,39 @@ def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: 
              for name, v in samples.items()})
 
 
+def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
+    """Median seconds per step spent inside the default screen's hooks and check, timed around
+    each of them: the screen's own cost, without the noise of whole-step timings (the timers
+    themselves add about a microsecond per hook)."""
+    spent = [0.0]
+    patched = {}
+    for name in ("_before", "_after", "_on_grad", "_sum_grad", "check"):
+        real = patched[name] = getattr(Screen, name)
+
+        def timed(*a: object, real: Callable = real, **k: object) -> object:
+            start = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        setattr(Screen, name, timed)
+    try:
+        step = _detect(model, x, y)
+        for _ in range(3):
+            step()
+        per_step = []
+        for _ in range(steps):
+            spent[0] = 0.0
+            step()
+            per_step.append(spent[0])
+        step.cleanup()  # type: ignore[attr-defined]
+    finally:
+        for name, real in patched.items():
+            setattr(Screen, name, real)
+    return statistics.median(per_step)
+
+
 def _steps_for(model: nn.Module, x: Tensor, y: Tensor, budget: float, cap: int) -> int:
     """Steps per round so that one variant's round takes about ``budget`` seconds."""
     step = _plain(model, x, y)
@@ -151,17 +185,22 @@ def main(argv: Sequence[str] | None = None) -> str:
             ref = ratio["anomaly"] - 1.0
             return f"{(ratio[name] - 1.0) / ref:.2f}" if ref > 0 else "-"
 
+        inside = _screen_time(model, x, y, steps=3 if args.quick else 40)
         rows.append([label, f"{t['plain'] * 1e3:.2f} ms ({steps} steps)", cell("detect"),
+                     f"{inside * 1e6:.0f} us ({inside / t['plain']:.1%})",
                      cell("detect_modules"), cell("detect_calls"), cell("detect_spike"),
                      cell("anomaly"), f"{share('detect')} / {share('detect_modules')} / "
                      f"{share('detect_calls')} / {share('detect_spike')}"])
-    header = ["model", "plain step", "gt.detect", "gt.detect(screen='modules')",
+    header = ["model", "plain step", "gt.detect", "inside gt.detect's screen per step",
+              "gt.detect(screen='modules')",
               "gt.detect(replay=False)", "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
               "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)"]
     table = markdown_table(header, rows)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
           "interleaved rounds (steps per round in the plain column); each ratio is the median "
-          "over rounds of the variant's time over the plain step's in the same round")
+          "over rounds of the variant's time over the plain step's in the same round; 'inside' is "
+          "the median time per step spent in the default screen's hooks and check, over the "
+          "median plain step")
     print(table)
     return table
 

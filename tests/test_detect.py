@@ -989,3 +989,20 @@ def test_large_parameter_gradients_are_screened_by_their_sum_without_false_alarm
     assert (a.module_name, a.kind, a.where, a.slot, a.step) == ("0", "nan", "param_grad",
                                                                  "weight", 1)
     assert (a.nan, a.inf) == (1, 0)
+
+
+def test_a_large_gradient_changed_after_its_backward_is_reduced_again_at_the_check():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1024, 256), nn.Linear(256, 1))
+    assert net[0].weight.numel() >= _host.BIG  # summed in backward, as soon as accumulated
+    with gt.detect(net, action="record") as det:
+        net(torch.randn(2, 1024))  # a call of the model: the step is checked at det.step()
+        hidden = net[0](torch.randn(2, 1024))  # a loss on a submodule's output only: the
+        hidden.sum().backward()  # screen sees no gradient of the model's own outputs
+        assert torch.isfinite(net[0].weight.grad).all()
+        with torch.no_grad():
+            net[0].weight.grad[3, 5] = math.inf  # changed in place after that sum
+        det.step()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.inf) == ("0", "inf", "param_grad",
+                                                                "weight", 1)

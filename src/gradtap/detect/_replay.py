@@ -134,17 +134,27 @@ class Screen:
         # because nobody zeroed it is not a new anomaly.
         self._bad_params: dict[int, Tensor] = {}
         self._finite_at_start: dict[int, Tensor] = {}
-        # Parameters read once (cheaper per check), grouped by device and dtype as their
-        # gradients will be.
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
-        for name, p in model.named_parameters():
-            if p.is_floating_point() and p.numel():
-                groups.setdefault((p.device, p.dtype), []).append((name, p))
-        self._param_groups = list(groups.values())
         # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
         self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
+        # Parameters read once (cheaper per check). Small ones are grouped by device and dtype
+        # as their gradients will be (one foreach norm a group at the check); a large one's
+        # gradient is summed as soon as it is accumulated, while it is still in cache.
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
+        self._large_params: list[tuple[str, Tensor]] = []
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel():
+                if p.numel() >= _host.BIG and not self._maybe_sparse:
+                    self._large_params.append((name, p))
+                else:
+                    groups.setdefault((p.device, p.dtype), []).append((name, p))
+        self._param_groups = list(groups.values())
+        # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
+        self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
         self._cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         self.hooks = HookSet()
+        for _, p in self._large_params:
+            if p.requires_grad:
+                self.hooks.post_accumulate_grad(p, self._sum_grad)
         for name, module in modules:
             if module is not model:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
@@ -210,6 +220,13 @@ class Screen:
             old = call.grads.get(path)
             call.grads[path] = g if old is None else old + g
 
+    def _sum_grad(self, p: Tensor) -> None:
+        g = p.grad
+        if g is not None and g.layout == torch.strided:
+            with torch.no_grad():
+                total = g.sum(dtype=torch.promote_types(g.dtype, torch.float32))
+            self._sums[id(p)] = (weakref.ref(g), g._version, total)
+
     def _end_of_backward(self) -> None:
         backward, self._backward = self._backward, []
         self._queued = None
@@ -248,11 +265,12 @@ class Screen:
         pending = [fwd]
         params: list[tuple[str, Tensor]] = []
         grad_groups: list[list[Tensor]] = []
+        summed: list[tuple[Tensor, Tensor]] = []
         if backward:
             self.backward_checked = True
             pending.append(self._grads)
             if not self.quiet_params:
-                params, grad_groups = self._param_grads()
+                params, grad_groups, summed = self._param_grads()
         started = self._finite_at_start if backward else {}
         self._finite_at_start = {}
         refs = [t for part in pending for t in part.refs]
@@ -260,9 +278,11 @@ class Screen:
         if not refs and not ranges and not params:
             return []
         with torch.no_grad():
-            # The one host copy; parameter gradients are reduced whatever their size.
-            values = _host.norms(refs, extra=[*ranges, *started.values()], grouped=grad_groups,
-                                 finiteness_only=True)
+            # The one host copy: parameter gradients (whatever their size) after the screened
+            # tensors, those summed in backward last among them.
+            values = _host.norms(refs, extra=[*(s for _, s in summed), *ranges,
+                                              *started.values()],
+                                 grouped=grad_groups, finiteness_only=True)
         if math.isfinite(values.sum()):  # a healthy step
             if params:
                 self._bad_params.clear()
@@ -271,7 +291,7 @@ class Screen:
         n_refs = first_param + len(params)
         was_finite = dict(zip(started, values[n_refs + len(ranges):]))
         bad = np.flatnonzero(~np.isfinite(values[:n_refs])).tolist()
-        grads = [g for group in grad_groups for g in group]
+        grads = [g for group in grad_groups for g in group] + [g for g, _ in summed]
         refs += grads
         if self._bad_params and grads:  # a .grad known to be non-finite may be finite again
             now_bad = {id(params[i - first_param][1]) for i in bad if i >= first_param}
@@ -308,8 +328,11 @@ class Screen:
         # In the order they were screened: calls as they finished, gradients as they arrived.
         return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
 
-    def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]]]:
-        """The parameters with a gradient to check, and their gradients by device and dtype."""
+    def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]],
+                                    list[tuple[Tensor, Tensor]]]:
+        """The parameters with a gradient to check, in the order of their values: those whose
+        gradients are to be reduced, by device and dtype, then those whose gradient was summed
+        in backward and is unchanged since, as ``(grad, sum)``."""
         params, groups = [], []
         for group in self._param_groups:
             grads = [p.grad for _, p in group]
@@ -320,10 +343,25 @@ class Screen:
             keep = [i for i, g in enumerate(grads) if g is not None and _host.measurable(g)]
             params += [group[i] for i in keep]
             groups.append([grads[i] for i in keep])
-        return params, groups
+        summed_params, summed, stale = [], [], {}
+        for name, p in self._large_params:
+            g = p.grad
+            if g is None or not _host.measurable(g):
+                continue
+            entry = self._sums.get(id(p))
+            if entry is not None and entry[0]() is g and entry[1] == g._version:
+                summed_params.append((name, p))
+                summed.append((g, entry[2]))
+            else:  # changed since its backward (or no hook saw it): reduced at the check
+                stale.setdefault((g.device, g.dtype), []).append((name, p, g))
+        for items in stale.values():
+            params += [(name, p) for name, p, _ in items]
+            groups.append([g for _, _, g in items])
+        return params + summed_params, groups, summed
 
     def new_step(self) -> None:
         """Forget this step's calls (``det.step()``)."""
+        self._sums = {}
         self.calls = []
         self.quiet_params = False
         self.backward_checked = False
