@@ -57,6 +57,7 @@ MAX_KEPT_CALLS = 64
 #: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
 SMALL = 1 << 16
 _graph_task_id = torch._C._current_graph_task_id
+_HALF = (torch.float16, torch.bfloat16)
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
@@ -222,10 +223,12 @@ class Screen:
 
     def _sum_grad(self, p: Tensor) -> None:
         g = p.grad
-        if g is not None and g.layout == torch.strided:
-            with torch.no_grad():
-                total = g.sum(dtype=torch.promote_types(g.dtype, torch.float32))
-            self._sums[id(p)] = (weakref.ref(g), g._version, total)
+        if g is None:
+            return
+        if g.requires_grad:  # create_graph=True: no graph for the check
+            g = g.detach()
+        total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
+        self._sums[id(p)] = (weakref.ref(p.grad), p.grad._version, total)
 
     def _end_of_backward(self) -> None:
         backward, self._backward = self._backward, []
