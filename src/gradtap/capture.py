@@ -20,6 +20,7 @@ still fire after removal while that graph is alive.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import weakref
@@ -36,7 +37,8 @@ from gradtap._types import KeepLiteral, Selector
 from gradtap.record import GradRecord, flatten_tensors, map_tensors
 from gradtap.select import select_modules
 
-__all__ = ["HookSet", "Tap", "at_end_of_backward", "legacy_backward_grads", "replaying", "tap"]
+__all__ = ["HookSet", "Tap", "argument_tensors", "at_end_of_backward", "legacy_backward_grads",
+           "replaying", "tap"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _graph_task_id = torch._C._current_graph_task_id
@@ -685,6 +687,12 @@ def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]) -> tuple[Hoo
         # register_backward_hook flips this flag; put it back so no trace is left.
         hooks.add_cleanup(lambda m=module, v=previous: setattr(m, "_is_full_backward_hook", v))
     return hooks, seen
+
+
+def argument_tensors(module: nn.Module) -> Callable[[tuple, dict], list[tuple[str, Tensor]]]:
+    """A function of a call's ``(args, kwargs)`` to ``module`` giving ``(name, tensor)`` for
+    every tensor argument, named as the records name them (the forward signature's names)."""
+    return functools.partial(_flat_arguments, _ModuleInfo("", module))
 
 
 def _flat_arguments(info: _ModuleInfo, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:

@@ -18,21 +18,17 @@ def measurable(g: Tensor) -> bool:
     return g.is_floating_point() and g.layout == torch.strided and g.numel() > 0
 
 
-#: With ``finiteness_only``, a tensor of at least this many elements is reduced by its own sum.
+#: A parameter gradient of at least this many elements is summed by the screen as soon as it is
+#: accumulated (while in cache) rather than in the foreach norm of the check.
 BIG = 1 << 18
 
 
 def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (),
-          grouped: Sequence[Sequence[Tensor]] = (), finiteness_only: bool = False
-          ) -> np.ndarray:
+          grouped: Sequence[Sequence[Tensor]] = ()) -> np.ndarray:
     """L2 norm of each tensor (float32 accumulation at least), then of each tensor of each
     list in ``grouped`` (lists the caller already knows to share one device and dtype), then
     the value of each 0-d tensor in ``extra``, with one host copy per device (``host=True``:
-    CPU tensors, read directly).
-
-    ``finiteness_only``: the values only need to be finite exactly when the tensors are
-    (barring overflow), so a large tensor's sum, one pass about twice as fast as a norm's,
-    stands for its norm; small tensors still share one foreach norm."""
+    CPU tensors, read directly)."""
     # (device, dtype) -> tensors and their positions in the result: one foreach norm each.
     by_key: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
     for key, idx in ops.group_by_device_dtype(tensors).items():
@@ -48,16 +44,6 @@ def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (
         n += len(group)
     parts, order = [], []
     for ts, idx in by_key.values():
-        if finiteness_only:
-            big = [i for i, t in enumerate(ts) if t.numel() >= BIG]
-            if big:
-                acc = torch.promote_types(ts[0].dtype, torch.float32)
-                parts.append(torch.stack([ts[i].sum(dtype=acc) for i in big]))
-                order.append([idx[i] for i in big])
-                small = [i for i, t in enumerate(ts) if t.numel() < BIG]
-                ts, idx = [ts[i] for i in small], [idx[i] for i in small]
-                if not ts:
-                    continue
         try:
             parts.append(_norm_vector(ts))
             order.append(idx)

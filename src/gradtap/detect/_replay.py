@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtap.capture import HookSet, Tap, at_end_of_backward, replaying
+from gradtap.capture import HookSet, Tap, argument_tensors, at_end_of_backward, replaying
 from gradtap.detect import _host
 from gradtap.detect._anomaly import LOSS
 from gradtap.record import flatten_tensors, map_tensors
@@ -152,6 +152,7 @@ class Screen:
         # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
         self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
         self._cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+        self._arguments = argument_tensors(model)
         self.hooks = HookSet()
         for _, p in self._large_params:
             if p.requires_grad:
@@ -186,7 +187,7 @@ class Screen:
     def _before(self, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled() and _graph_task_id() == -1:
             self._open.append(RootCall(args, kwargs, self._cuda))
-            for path, t in _tensor_inputs(args, kwargs):
+            for path, t in self._arguments(args, kwargs):
                 if t.requires_grad and _host.measurable(t):
                     self._hook_gradient(t, "grad_input", "", path, None)
         else:
@@ -228,7 +229,7 @@ class Screen:
         if g.requires_grad:  # create_graph=True: no graph for the check
             g = g.detach()
         total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
-        self._sums[id(p)] = (weakref.ref(p.grad), p.grad._version, total)
+        self._sums[id(p)] = (weakref.ref(p.grad), g._version, total)
 
     def _end_of_backward(self) -> None:
         backward, self._backward = self._backward, []
@@ -284,8 +285,7 @@ class Screen:
             # The one host copy: parameter gradients (whatever their size) after the screened
             # tensors, those summed in backward last among them.
             values = _host.norms(refs, extra=[*(s for _, s in summed), *ranges,
-                                              *started.values()],
-                                 grouped=grad_groups, finiteness_only=True)
+                                              *started.values()], grouped=grad_groups)
         if math.isfinite(values.sum()):  # a healthy step
             if params:
                 self._bad_params.clear()
@@ -416,19 +416,6 @@ class Screen:
                                             allow_unused=True)
                     else:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-
-def _tensor_inputs(args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
-    """``(path, tensor)`` of the tensors in a call's arguments: ``args.N`` and keywords."""
-    out = []
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            out.append((f"args.{i}", a))
-        elif a is not None and not isinstance(a, (int, float, bool, str)):
-            out += flatten_tensors(a, f"args.{i}", under_prefix=True)
-    for k, v in kwargs.items():
-        out += [(k, v)] if isinstance(v, Tensor) else flatten_tensors(v, k, under_prefix=True)
-    return out
 
 
 def _detached(obj: Any) -> Any:
