@@ -8,11 +8,15 @@ times one training step (forward, cross-entropy, backward, AdamW step, zero_grad
   nonfinite) on every parameter gradient, every step, kept in memory;
 * ``+store``      the same, writing every step to a run store (SQLite, one transaction/step);
 * ``naive loop``  the step + a per-tensor loop calling ``.item()`` on each statistic (what
-  hand-written logging usually does: one host sync per tensor and statistic).
+  hand-written logging usually does: one host sync per tensor and statistic);
+* ``bare kernels`` the step + only the reductions the monitor runs for these stats (a sum and
+  an aminmax per tensor, one foreach norm) and one host copy, with no bookkeeping: the floor
+  that torch's unfused kernels allow, for reference.
 
 Variants are interleaved round by round so that machine noise hits them alike; the table gives
-the median time per step and its ratio to ``plain``. A second table gives the growth of the
-process's resident memory over many monitored steps (kept in memory, and with a store).
+the median time per step and the median over rounds of its ratio to ``plain`` in the same
+round. A second table gives the growth of the process's resident memory over many monitored
+steps (kept in memory, and with a store).
 
     python benchmarks/monitor_overhead.py            # full run
     python benchmarks/monitor_overhead.py --quick    # a few seconds, for CI
@@ -37,7 +41,7 @@ import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _timing import markdown_table  # noqa: E402
 
-VARIANTS = ("plain", "monitor", "+store", "naive loop")
+VARIANTS = ("plain", "monitor", "+store", "naive loop", "bare kernels")
 
 
 def _naive_stats(model: torch.nn.Module) -> list[float]:
@@ -49,6 +53,14 @@ def _naive_stats(model: torch.nn.Module) -> list[float]:
         out += [g.norm().item(), g.mean().item(), g.std(correction=0).item(),
                 g.abs().max().item(), (~torch.isfinite(g)).sum().item()]
     return out
+
+
+def _bare_kernels(model: torch.nn.Module) -> object:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    minmax = [torch.aminmax(g) for g in grads]
+    scalars = [g.sum() for g in grads] + list(torch._foreach_norm(grads))
+    scalars += [m.max for m in minmax] + [m.min for m in minmax]
+    return torch.stack(scalars).cpu().numpy()
 
 
 def _sync(device: torch.device) -> None:
@@ -79,8 +91,9 @@ def _optimizer(model: torch.nn.Module, quick: bool) -> object:
 
 
 def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int, steps: int,
-                warmup: int, quick: bool = False) -> dict[str, float]:
-    """Median seconds per step of each variant on one model."""
+                warmup: int, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per step of each variant on one model, and the median over rounds of
+    its time over ``plain``'s in the same round."""
     model, x, y = build()
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = _optimizer(model, quick)
@@ -96,13 +109,17 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
         "monitor": mon.step,
         "+store": mon_store.step,
         "naive loop": lambda: _naive_stats(model),
+        "bare kernels": lambda: _bare_kernels(model),
     }
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:
         for r in range(rounds + 1):
             order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            total = {}
             for v in order:
                 n = warmup if r == 0 else steps
+                total[v] = 0.0
                 for _ in range(n):
                     _sync(device)
                     t0 = time.perf_counter()
@@ -113,11 +130,16 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
                     _sync(device)
                     if r:
                         times[v].append(time.perf_counter() - t0)
+                        total[v] += times[v][-1]
+            if r:
+                for v in VARIANTS:
+                    ratios[v].append(total[v] / total["plain"])
     finally:
         mon.close()
         mon_store.close()
         tmp.cleanup()
-    return {v: statistics.median(t) for v, t in times.items()}
+    return ({v: statistics.median(t) for v, t in times.items()},
+            {v: statistics.median(q) for v, q in ratios.items()})
 
 
 def _rss_bytes() -> int:
@@ -160,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                         help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--models", default="mlp,cnn,resnet",
                         help="comma-separated subset of mlp, cnn, resnet")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 11)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     threads = torch.get_num_threads()
@@ -182,7 +204,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     else:
         models = [("MLP", _models.mlp), ("small CNN", _models.small_cnn),
                   ("ResNet-18-like", _models.resnet18_like)]
-        rounds, steps, warmup = args.rounds or 5, 10, 3
+        rounds, steps, warmup = args.rounds or 11, 10, 3
     keys = ("mlp", "cnn", "resnet")
     wanted = [k.strip() for k in args.models.split(",")]
     unknown = sorted(set(wanted) - set(keys))
@@ -194,11 +216,10 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     rows = []
     for name, build in models:
         n_params = sum(p.numel() for p in build()[0].parameters())
-        med = bench_model(name, build, device=device, rounds=rounds, steps=steps, warmup=warmup,
-                          quick=args.quick)
-        base = med["plain"]
-        rows.append([name, f"{n_params / 1e6:.2f}M", f"{base * 1e3:.2f} ms"] + [
-            f"{med[v] * 1e3:.2f} ms ({med[v] / base:.3f}x)" for v in VARIANTS[1:]])
+        med, ratio = bench_model(name, build, device=device, rounds=rounds, steps=steps,
+                                 warmup=warmup, quick=args.quick)
+        rows.append([name, f"{n_params / 1e6:.2f}M", f"{med['plain'] * 1e3:.2f} ms"] + [
+            f"{med[v] * 1e3:.2f} ms ({ratio[v]:.3f}x)" for v in VARIANTS[1:]])
     timing = markdown_table(["model", "params", *VARIANTS], rows)
 
     mem_rows = []
@@ -210,7 +231,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     memory = markdown_table(["history", f"RSS growth over {mem_steps} steps ({models[0][0]})", "per step"],
                             mem_rows)
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"median step time of {rounds} interleaved rounds x {steps} steps per variant; "
+          f"median step time of {rounds} interleaved rounds x {steps} steps per variant, and "
+          "(in brackets) the median over rounds of its ratio to plain in the same round; "
           f"{'plain SGD' if args.quick else 'AdamW'}; monitor = default stats on every "
           "parameter gradient, every step\n")
     print(timing)
