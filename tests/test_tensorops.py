@@ -76,14 +76,20 @@ def assert_stat_close(actual: float, expected: float, what: str, scale: float, r
     )
 
 
-def compute(tensors, stats, *, batched=True, exact=False, edges=None, exact_m2=False):
-    """Run the Monitor's pipeline: device moments, one host copy, lazy fixes, finish."""
+def compute(tensors, stats, *, batched=True, exact=False, edges=None, exact_m2=False,
+            queued=False):
+    """Run the Monitor's pipeline: device moments, one host copy, lazy fixes, finish.
+
+    ``queued=True`` takes the parameter-gradient path (fields finished on the host)."""
     needs = ops.needs_for(stats, exact_nonfinite=exact)
-    groups = ops.tensor_moments(tensors, needs, edges=edges, batched=batched,
-                                exact_m2=exact_m2 or not batched)
     count = np.array([t.numel() for t in tensors], dtype=np.float64)
     copy = ops.HostCopy()
-    gather = ops.host_moments(groups, len(tensors), copy)
+    if queued:
+        gather = ops.queue_moments(tensors, needs, copy, edges=edges)
+    else:
+        groups = ops.tensor_moments(tensors, needs, edges=edges, batched=batched,
+                                    exact_m2=exact_m2 or not batched)
+        gather = ops.host_moments(groups, len(tensors), copy)
     copy.run()
     raw = gather()
     if batched:
@@ -156,9 +162,10 @@ def check_against_oracle(tensors, stats, result) -> None:
     tensors=st.lists(tensor_values(), min_size=1, max_size=4),
     stats=st.lists(st.sampled_from(ALL_STATS), min_size=1, max_size=8, unique=True),
     exact=st.booleans(),
+    queued=st.booleans(),
 )
-def test_stats_match_float64_oracle(tensors, stats, exact):
-    result, _ = compute(tensors, stats, exact=exact)
+def test_stats_match_float64_oracle(tensors, stats, exact, queued):
+    result, _ = compute(tensors, stats, exact=exact, queued=queued)
     check_against_oracle(tensors, stats, result)
 
 
@@ -263,12 +270,31 @@ def test_large_tensors_keep_float64_accuracy():
     # torch's CPU norm kernel alone is off by ~1e-4 here; blocked sums keep ~1e-8.
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(2_000_003, generator=g) + 0.3, torch.randn(3000, 1500, generator=g)]
-    result, _ = compute(tensors, ("norm", "mean", "std"))
+    result, _ = compute(tensors, ("norm", "mean", "std"), queued=True)
     for i, t in enumerate(tensors):
         x = t.double()
         np.testing.assert_allclose(result["norm"][i], float(x.norm()), rtol=1e-6)
         np.testing.assert_allclose(result["std"][i], float(x.std(correction=0)), rtol=1e-6)
         np.testing.assert_allclose(result["mean"][i], float(x.mean()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+@pytest.mark.parametrize("share", [0.5, 0.85, 0.985, 0.999])
+def test_long_tensors_keep_float32_accuracy_at_any_mean_share(share, queued):
+    # Up to 2**18 elements one foreach norm (error ~2e-6) gives sumsq; a dominant mean
+    # would amplify that error in std, so above a 90% share std takes the two-pass route.
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 18
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    z = (z - z.mean()) / z.std(correction=0)
+    x = (z * math.sqrt(1 - share) + math.sqrt(share)).float()
+    tensors = [x, x[: 7 * 37_000].reshape(-1, 7).clone(), x[:5000].clone()]
+    result, _ = compute(tensors, ("norm", "mean", "std"), queued=queued)
+    check_against_oracle(tensors, ("norm", "mean", "std"), result)
+    for i, t in enumerate(tensors):
+        # tighter than the documented 2e-5: the std relative to itself
+        np.testing.assert_allclose(result["std"][i], float(t.double().std(correction=0)),
+                                   rtol=2e-5)
 
 
 def test_dominant_mean_rows_get_the_two_pass_m2():

@@ -74,7 +74,8 @@ def ewma_update_(mean: Tensor, var: Tensor, value: Tensor, beta: float) -> None:
 #                hist       [B] counts of finite elements per bin (outliers in the end bins)
 #   MAX fields   max, negmin (= -min); NaN propagates through both.
 #
-# ``m2 = sumsq - sum**2 / n``, evaluated in float64, is exact to ~1e-8 * sumsq, which is fine
+# ``m2 = sumsq - sum**2 / n``, evaluated in float64, is exact to sumsq's own error (up to
+# ~2e-6 * sumsq, see _WHOLE), which is fine
 # unless the mean dominates (mean**2 > 99% of the mean square; 90% for long tensors, whose
 # sumsq has a larger error, see _EXACT_SHARE). Those rows (found on the host
 # after the step's one transfer, see :func:`unreliable_m2`) get the two-pass value from
