@@ -9,9 +9,9 @@ times one training step (forward, cross-entropy, backward, AdamW step, zero_grad
 * ``+store``      the same, writing every step to a run store (SQLite, one transaction/step);
 * ``naive loop``  the step + a per-tensor loop calling ``.item()`` on each statistic (what
   hand-written logging usually does: one host sync per tensor and statistic);
-* ``bare kernels`` the step + only the reductions the monitor runs for these stats (a sum and
-  an aminmax per tensor, one foreach norm) and one host copy, with no bookkeeping: the floor
-  that torch's unfused kernels allow, for reference.
+* ``bare kernels`` the step + only the three reduction passes these stats need (a sum and an
+  aminmax per tensor, one foreach L2 norm without the monitor's blocking for accuracy) and
+  one host copy, with no bookkeeping: about the floor that torch's unfused kernels allow.
 
 Variants are interleaved round by round so that machine noise hits them alike; the table gives
 the median time per step and the median over rounds of its ratio to ``plain`` in the same

@@ -33,7 +33,6 @@ __all__ = [
     "hist_edges",
     "host_moments",
     "needs_for",
-    "queue_moments",
     "refine_fields",
     "tensor_moments",
     "unreliable_m2",
@@ -67,17 +66,15 @@ def ewma_update_(mean: Tensor, var: Tensor, value: Tensor, beta: float) -> None:
 # combined across parts (several calls of a module within a step, several ranks):
 #
 #   SUM fields   sum        sum of the elements (a cascade/tree sum: accurate to ~1e-8)
-#                sumsq      sum of squares, accurate too (see ``_norm_pieces``)
+#                sumsq      sum of squares, accurate too (see ``_sumsq``)
 #                m2         sum of squared deviations from the tensor's mean (host side)
 #                nonfinite  count of NaN and +-Inf elements
 #                nonzero    count of elements != 0 (NaN counts as nonzero)
 #                hist       [B] counts of finite elements per bin (outliers in the end bins)
 #   MAX fields   max, negmin (= -min); NaN propagates through both.
 #
-# ``m2 = sumsq - sum**2 / n``, evaluated in float64, is exact to sumsq's own error (up to
-# ~2e-6 * sumsq, see _WHOLE), which is fine
-# unless the mean dominates (mean**2 > 99% of the mean square; 90% for long tensors, whose
-# sumsq has a larger error, see _EXACT_SHARE). Those rows (found on the host
+# ``m2 = sumsq - sum**2 / n``, evaluated in float64, is exact to ~1e-8 * sumsq, which is fine
+# unless the mean dominates (mean**2 > 99% of the mean square). Those rows (found on the host
 # after the step's one transfer, see :func:`unreliable_m2`) get the two-pass value from
 # :func:`centered_moments`: the tensor centred on its float32 mean ``shift`` gives
 # ``csum = sum(x - shift)`` and ``m2c = sum((x - shift)**2)``, and ``m2 = m2c - csum**2 / n``
@@ -93,19 +90,12 @@ STAT_NAMES: tuple[str, ...] = (
 SUM_FIELDS: tuple[str, ...] = ("sum", "sumsq", "m2", "nonfinite", "nonzero")
 MAX_FIELDS: tuple[str, ...] = ("max", "negmin")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# torch's CPU norm kernels accumulate in one float32 pass per lane: relative error about
-# 1e-6 at 2**17 elements, 2e-6 at 2**18, 4e-5 at 2**21 and 1e-3 at 2**24 (randn, measured).
-# Tensors up to _WHOLE elements share one foreach norm; longer ones are viewed as rows of
-# _BLOCK elements, which keeps each partial sum short (~1e-8).
+# torch's CPU norm kernels accumulate in one float32 pass per lane (relative error 4e-5 at
+# 2.4M elements, 1e-3 at 16M); rows of _BLOCK elements keep each partial sum short.
 _BLOCK = 1024
-_WHOLE = 1 << 18
+_SMALL = _BLOCK
 # Above this share of the mean square taken by mean**2, m2 comes from a second, centred pass.
-# A sumsq error d becomes a std error of about d / (2 * sqrt(1 - share)) relative to the
-# mean's size: at most 3e-6, inside float32's documented 2e-5, with d <= 6e-7 (up to 2**16
-# elements) at 0.99 and d <= 2e-6 (up to _WHOLE) at 0.9.
 _EXACT_SHARE = 0.99
-_EXACT_SHARE_LONG = 0.9
-_LONG = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -283,123 +273,22 @@ def centered_moments(
 
 
 def _group_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> dict[str, Tensor]:
-    fields = _finish_raw(*_raw_moments(ts, needs, acc), len(ts), needs)
-    fields.update(_count_fields(ts, needs))
-    return fields
-
-
-def _count_fields(ts: list[Tensor], needs: Needs) -> dict[str, Tensor]:
     f64 = torch.float64
     fields: dict[str, Tensor] = {}
+    if needs.sum:
+        # There is no foreach sum; a per-tensor sum is one vectorised (cascade) kernel each.
+        fields["sum"] = torch.stack([t.sum(dtype=acc) for t in ts]).to(f64)
+    if needs.sumsq:
+        fields["sumsq"] = _sumsq(ts, acc)
+    if needs.minmax:
+        mm = [torch.aminmax(t) for t in ts]
+        fields["max"] = torch.stack([m.max for m in mm]).to(f64)
+        fields["negmin"] = torch.stack([m.min for m in mm]).to(f64).neg()
     if needs.nonfinite:
         # x * 0 is 0 for finite x and NaN for NaN/Inf, and count_nonzero counts NaN.
         fields["nonfinite"] = torch.stack([(t * 0).count_nonzero() for t in ts]).to(f64)
     if needs.nonzero:
         fields["nonzero"] = torch.stack([t.count_nonzero() for t in ts]).to(f64)
-    return fields
-
-
-def _raw_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> tuple[Tensor, Any]:
-    """The sum, min/max and sum-of-squares fields of same-device, same-dtype tensors, raw.
-
-    Returns ``(flat, index)``: ``flat`` (dtype ``acc`` or wider) holds the sums [n]
-    (``needs.sum``), maxima [n] and minima [n] (``needs.minmax``), then the L2 norms of the
-    pieces of :func:`_norm_pieces` (``needs.sumsq``), whose tensor of each is ``index``
-    (``None``: one piece per tensor, in order). Each torch call made right after a backward
-    costs 10-20 us on CPU, more than most of these kernels, so every piece goes through one
-    stack: the whole step is about 2n + 3 calls.
-    """
-    scalars: list[Tensor] = []
-    if needs.sum:
-        # There is no foreach sum; a per-tensor sum is one vectorised (cascade) kernel each.
-        scalars += [t.sum(dtype=acc) for t in ts]
-    if needs.minmax:
-        mm = [torch.aminmax(t) for t in ts]  # one pass for both
-        scalars += [m.max for m in mm] + [m.min for m in mm]
-    rows: list[Tensor] = []
-    index = None
-    if needs.sumsq:
-        whole, rows, index = _norm_pieces(ts, acc)
-        scalars += whole
-    if not scalars:
-        return torch.zeros(0, dtype=acc, device=ts[0].device), index
-    flat = torch.stack(scalars)
-    return (torch.cat([flat.to(rows[0].dtype), *rows]) if rows else flat), index
-
-
-def _sumsq(ts: list[Tensor], acc: torch.dtype) -> Tensor:
-    """Accurate sums of squares [n] (float64) of same-device, same-dtype tensors."""
-    needs = Needs(sumsq=True)
-    return _finish_raw(*_raw_moments(ts, needs, acc), len(ts), needs)["sumsq"]
-
-
-def _norm_pieces(ts: list[Tensor], acc: torch.dtype) -> tuple[list[Tensor], list[Tensor], Any]:
-    """L2 norms of pieces of each tensor whose squares sum to its sum of squares.
-
-    On CPU, tensors longer than ``_WHOLE`` are viewed as rows of ``_BLOCK`` elements (one
-    norm kernel per tensor, giving [rows] norms); the others, and those tails, go through one
-    foreach norm (0-d norms, listed first). Returns ``(foreach norms, row norms, index)`` with
-    ``index`` the tensor of each piece in that order (a cached int64 numpy array), or ``None``
-    when every tensor is one piece.
-    """
-    kw = {"dtype": acc} if acc != ts[0].dtype else {}
-    numels = tuple(t.numel() for t in ts)
-    if ts[0].device.type != "cpu" or max(numels) <= _WHOLE:  # GPU: tree reductions are exact
-        return list(torch._foreach_norm(ts, 2, **kw)), [], None
-    rows: list[Tensor] = []
-    short: list[Tensor] = []
-    for t, n in zip(ts, numels):
-        if n <= _WHOLE:
-            short.append(t)
-            continue
-        q = n // _BLOCK
-        if n % _BLOCK:
-            flat = t.reshape(-1)
-            body = flat[: q * _BLOCK].view(q, _BLOCK)
-            short.append(flat[q * _BLOCK:])
-        else:  # no slicing: each Python-level index costs as much as a kernel here
-            body = t.reshape(q, _BLOCK)
-        rows.append(torch.linalg.vector_norm(body, dim=1, **kw))
-    return list(torch._foreach_norm(short, 2, **kw)) if short else [], rows, _piece_index(numels)
-
-
-@lru_cache(maxsize=256)
-def _piece_index(numels: tuple[int, ...]) -> np.ndarray:
-    """Tensor index of each piece :func:`_norm_pieces` makes (foreach pieces, then rows)."""
-    short: list[int] = []
-    rows: list[int] = []
-    for j, n in enumerate(numels):
-        if n <= _WHOLE:
-            short.append(j)
-        else:
-            rows += [j] * (n // _BLOCK)
-            if n % _BLOCK:
-                short.append(j)
-    return np.array(short + rows, dtype=np.int64)  # shared: never modified
-
-
-def _finish_raw(flat: Tensor | np.ndarray, index: np.ndarray | None, n: int,
-                needs: Needs) -> dict[str, Any]:
-    """Per-tensor float64 fields [n] from :func:`_raw_moments` output (torch or numpy)."""
-    fields: dict[str, Any] = {}
-    if isinstance(flat, np.ndarray):
-        flat = flat.astype(np.float64, copy=False)
-    else:
-        flat = flat.to(torch.float64)
-    at = 0
-    if needs.sum:
-        fields["sum"], at = flat[:n], n
-    if needs.minmax:
-        fields["max"], fields["negmin"], at = flat[at:at + n], -flat[at + n:at + 2 * n], at + 2 * n
-    if needs.sumsq:
-        squares = flat[at:] ** 2
-        if index is None:
-            fields["sumsq"] = squares
-        elif isinstance(squares, np.ndarray):
-            fields["sumsq"] = np.bincount(index, weights=squares, minlength=n)
-        else:
-            fields["sumsq"] = torch.zeros(n, dtype=torch.float64, device=squares.device).index_add_(
-                0, torch.from_numpy(index).to(squares.device), squares)
     return fields
 
 
@@ -419,6 +308,49 @@ def _loop_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> dict[str,
         if needs.nonzero:
             cols["nonzero"].append((x != 0).sum())
     return {f: torch.stack(v).to(torch.float64) for f, v in cols.items()}
+
+
+def _sumsq(ts: list[Tensor], acc: torch.dtype) -> Tensor:
+    """Accurate sums of squares [n] (float64) of same-device, same-dtype tensors."""
+    f64 = torch.float64
+    kw = {"dtype": acc} if acc != ts[0].dtype else {}
+    if ts[0].device.type != "cpu":  # tree reductions: accurate as they are
+        return torch.stack(torch._foreach_norm(ts, 2, **kw)).to(f64).square()
+    # Tensors longer than a block are viewed as rows of _BLOCK elements (one norm kernel per
+    # tensor); short tensors and the tails go through one foreach norm. Every piece's square
+    # is then added to its tensor's total in float64 (index_add_ over a cached index).
+    rows: list[Tensor] = []
+    short: list[Tensor] = []
+    for t in ts:
+        n = t.numel()
+        if n <= _BLOCK:
+            short.append(t)
+            continue
+        flat = t.reshape(-1)
+        q = n // _BLOCK
+        rows.append(torch.linalg.vector_norm(flat[: q * _BLOCK].view(q, _BLOCK), dim=1, **kw))
+        if n % _BLOCK:
+            short.append(flat[q * _BLOCK:])
+    if short:
+        rows.append(torch.stack(torch._foreach_norm(short, 2, **kw)))
+    pieces = torch.cat(rows) if len(rows) > 1 else rows[0]
+    index = _piece_index(tuple(t.numel() for t in ts), ts[0].device)
+    return torch.zeros(len(ts), dtype=f64).index_add_(0, index, pieces.to(f64).square())
+
+
+@lru_cache(maxsize=256)
+def _piece_index(numels: tuple[int, ...], device: torch.device) -> Tensor:
+    """Tensor index of each piece ``_sumsq`` produces (rows first, then short pieces)."""
+    rows: list[int] = []
+    short: list[int] = []
+    for j, n in enumerate(numels):
+        if n <= _BLOCK:
+            short.append(j)
+        else:
+            rows += [j] * (n // _BLOCK)
+            if n % _BLOCK:
+                short.append(j)
+    return torch.tensor(rows + short, dtype=torch.int64, device=device)
 
 
 def _centered(ts: list[Tensor], acc: torch.dtype, scratch: Scratch | None,
@@ -493,11 +425,9 @@ class HostCopy:
             by_device.setdefault(t.device, []).append(i)
         out: list[np.ndarray | None] = [None] * len(self._items)
         for device, idx in by_device.items():
-            parts = [self._items[i].reshape(-1) for i in idx]
-            if len({p.dtype for p in parts}) > 1:  # cat would promote int64 to float32
-                parts = [p.to(torch.float64) for p in parts]
-            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float64)
-            if device.type == "cpu" and len(parts) == 1 and flat is parts[0]:
+            parts = [self._items[i].reshape(-1).to(torch.float64) for i in idx]
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if device.type == "cpu" and len(parts) == 1:
                 flat = flat.clone()  # never hand out numpy views of a caller's tensor
             if device.type != "cpu":
                 self.transfers += 1
@@ -513,45 +443,6 @@ class HostCopy:
     def get(self, handle: int) -> np.ndarray:
         """The host copy of the tensor behind ``handle`` (after :meth:`run`)."""
         return self._out[handle]
-
-
-def queue_moments(
-    tensors: Sequence[Tensor], needs: Needs, copy: HostCopy, *, edges: Tensor | None = None
-) -> Callable[[], dict[str, np.ndarray]]:
-    """:func:`tensor_moments` then :func:`host_moments`, with the fields finished on the host.
-
-    The sum, min/max and sum-of-squares pieces of each ``(device, dtype)`` group travel as
-    one raw vector and become float64 fields in numpy, which saves the torch calls of that
-    bookkeeping (each costs 10-20 us right after a backward on CPU).
-    """
-    queued = []
-    for (_device, dtype), idx in group_by_device_dtype(tensors).items():
-        if not dtype.is_floating_point:
-            raise TypeError(f"statistics need floating-point tensors; got {dtype}")
-        group = [tensors[i].detach() for i in idx]
-        flat, index = _raw_moments(group, needs, torch.promote_types(dtype, torch.float32))
-        extra = _count_fields(group, needs)
-        if edges is not None:
-            extra["hist"] = _histogram(group, edges, True)
-        queued.append((idx, copy.add(flat), index,
-                       host_moments([(list(range(len(idx))), extra)], len(idx), copy)
-                       if extra else dict))
-    n = len(tensors)
-
-    def gather() -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for idx, handle, index, extra in queued:
-            fields = _finish_raw(copy.get(handle), index, len(idx), needs)
-            fields.update(extra())
-            if len(queued) == 1:  # one device and dtype: rows already in order
-                return fields
-            for f, v in fields.items():
-                if f not in out:
-                    out[f] = np.zeros((n, *v.shape[1:]), dtype=np.float64)
-                out[f][idx] = v
-        return out
-
-    return gather
 
 
 def host_moments(
@@ -608,12 +499,10 @@ def refine_fields(
 
 def unreliable_m2(count: np.ndarray, fields: dict[str, np.ndarray]) -> np.ndarray:
     """Rows whose ``sumsq - sum**2 / n`` may have lost digits (mean**2 > 99% of the mean
-    square, 90% above 2**16 elements; finite, more than one element): they need
-    :func:`centered_moments`."""
+    square, finite, more than one element): they need :func:`centered_moments`."""
     s, q = fields["sum"], fields["sumsq"]
-    share = np.where(count > _LONG, _EXACT_SHARE_LONG, _EXACT_SHARE)
     # Written without division: Inf and NaN rows compare False and raise no warning.
-    return np.flatnonzero((count > 1) & (s * s > share * q * count))
+    return np.flatnonzero((count > 1) & (s * s > _EXACT_SHARE * q * count))
 
 
 def complete_fields(

@@ -435,7 +435,8 @@ class Monitor:
         job = _Job(kind, names)
         job.tensors = tensors
         job.count = np.array([t.numel() for t in tensors], dtype=np.float64)
-        job.gather = ops.queue_moments(tensors, self._needs, copy, edges=self._edges)
+        groups = ops.tensor_moments(tensors, self._needs, edges=self._edges)
+        job.gather = ops.host_moments(groups, len(tensors), copy)
         known = self._exact_names.get(kind)
         if known and self._needs.std:
             rows = np.array([i for i, n in enumerate(names) if n in known], dtype=np.int64)
