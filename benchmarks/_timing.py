@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["markdown_table", "time_variants"]
+__all__ = ["markdown_table", "paired_ratios", "time_variants"]
 
 
 def time_variants(
@@ -32,6 +32,13 @@ def time_variants(
                 fn()
             samples[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_ratios(per_round: dict[str, Sequence[float]], base: str = "plain") -> dict[str, float]:
+    """The median over rounds of each variant's time over ``base``'s time in the same round
+    (``per_round[name][r]``: a time of round ``r``); pairing cancels drift between rounds."""
+    return {name: statistics.median(a / b for a, b in zip(times, per_round[base], strict=True))
+            for name, times in per_round.items()}
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

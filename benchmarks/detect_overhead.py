@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table  # noqa: E402
+from _timing import markdown_table, paired_ratios  # noqa: E402
 from gradtap.detect._replay import Screen  # noqa: E402
 
 
@@ -108,10 +108,7 @@ def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: 
             getattr(fn, "cleanup", lambda: None)()
             if r:
                 samples[name].append(elapsed)
-    plain = samples["plain"]
-    return ({name: statistics.median(v) for name, v in samples.items()},
-            {name: statistics.median(a / b for a, b in zip(v, plain))
-             for name, v in samples.items()})
+    return {name: statistics.median(v) for name, v in samples.items()}, paired_ratios(samples)
 
 
 def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table  # noqa: E402
+from _timing import markdown_table, paired_ratios  # noqa: E402
 
 VARIANTS = ("plain", "monitor", "+store", "naive loop", "bare kernels")
 
@@ -112,14 +112,12 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
         "bare kernels": lambda: _bare_kernels(model),
     }
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    totals: dict[str, list[float]] = {v: [] for v in VARIANTS}  # per round
     try:
         for r in range(rounds + 1):
             order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-            total = {}
             for v in order:
                 n = warmup if r == 0 else steps
-                total[v] = 0.0
                 for _ in range(n):
                     _sync(device)
                     t0 = time.perf_counter()
@@ -130,16 +128,13 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
                     _sync(device)
                     if r:
                         times[v].append(time.perf_counter() - t0)
-                        total[v] += times[v][-1]
-            if r:
-                for v in VARIANTS:
-                    ratios[v].append(total[v] / total["plain"])
+                if r:
+                    totals[v].append(sum(times[v][-steps:]))
     finally:
         mon.close()
         mon_store.close()
         tmp.cleanup()
-    return ({v: statistics.median(t) for v, t in times.items()},
-            {v: statistics.median(q) for v, q in ratios.items()})
+    return {v: statistics.median(t) for v, t in times.items()}, paired_ratios(totals)
 
 
 def _rss_bytes() -> int:
