@@ -7,8 +7,10 @@ Side by side in one run, per model: a plain forward+backward step; a no-op
 when an in-place op follows a hooked module, as in ResNet's ReLU(inplace=True)); hand-written
 tensor hooks that keep what a tap keeps (every module's output gradient and every parameter
 gradient) until the step ends; and ``gt.tap`` on every module keeping gradients only, with
-``tap.clear()`` each step. Each cell gives the median time per step, its ratio to the plain
-step, and the minor page faults per step (memory the process had to get fresh from the OS).
+``tap.clear()`` each step. Each cell gives the median time per step, its paired ratio to the
+plain step (the median over rounds of its time over the plain step's in the same round, which
+cancels the machine's drift between rounds), and the minor page faults per step (memory the
+process had to get fresh from the OS).
 
 Why two allocator settings: keeping every gradient of a step means the backward cannot reuse
 the memory of gradients it has consumed, and when the records are dropped glibc's malloc hands
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table  # noqa: E402
+from _timing import markdown_table, paired_ratios  # noqa: E402
 
 # glibc malloc tunables: never return freed heap memory to the OS, never mmap a block.
 NO_TRIM_ENV = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**31)}
@@ -109,10 +111,11 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, tuple[float, float] | str]:
-    """Per variant: (median seconds per step, minor page faults per step), timed in
-    interleaved rounds, or why it cannot run. Each variant's hooks are installed only while it
-    runs, so they cannot slow the others down."""
+def _interleaved(model, x, y, *, steps: int,
+                 rounds: int) -> dict[str, tuple[float, float, float] | str]:
+    """Per variant: (median seconds per step, its paired ratio to the plain step, minor page
+    faults per step), timed in interleaved rounds, or why it cannot run. Each variant's hooks
+    are installed only while it runs, so they cannot slow the others down."""
     makers = {"plain": lambda: _step(model, x, y), "hooks": lambda: _with_full_hooks(model, x, y),
               "kept": lambda: _with_kept_grads(model, x, y), "tap": lambda: _with_tap(model, x, y)}
     samples: dict[str, list[float]] = {name: [] for name in makers}
@@ -137,8 +140,10 @@ def _interleaved(model, x, y, *, steps: int, rounds: int) -> dict[str, tuple[flo
             if r:
                 samples[name].append(elapsed)
                 faults[name].append(faulted)
-    out: dict[str, tuple[float, float] | str] = {
-        k: (statistics.median(v), statistics.median(faults[k])) for k, v in samples.items() if v}
+    ratios = paired_ratios({k: v for k, v in samples.items() if v})
+    out: dict[str, tuple[float, float, float] | str] = {
+        k: (statistics.median(v), ratios[k], statistics.median(faults[k]))
+        for k, v in samples.items() if v}
     out.update(errors)
     return out
 
@@ -156,20 +161,19 @@ def _table(args: argparse.Namespace) -> str:
     for label, build in builders.items():
         model, x, y = build()
         t = _interleaved(model, x, y, steps=steps, rounds=rounds)
-        base = t["plain"]
-        assert isinstance(base, tuple)
 
-        def cell(v: tuple[float, float] | str, base: float = base[0]) -> str:
+        def cell(v: tuple[float, float, float] | str) -> str:
             if isinstance(v, str):
                 return v
-            return f"{v[0] * 1e3:.2f} ms ({v[0] / base:.2f}x), {v[1]:.0f} faults"
+            return f"{v[0] * 1e3:.2f} ms ({v[1]:.2f}x), {v[2]:.0f} faults"
 
-        rows.append([label, cell(base), cell(t["hooks"]), cell(t["kept"]), cell(t["tap"])])
+        rows.append([label, cell(t["plain"]), cell(t["hooks"]), cell(t["kept"]), cell(t["tap"])])
     malloc = "glibc malloc, no trim (" + ", ".join(f"{k}={v}" for k, v in NO_TRIM_ENV.items()) + \
         ")" if all(os.environ.get(k) == v for k, v in NO_TRIM_ENV.items()) else "default allocator"
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {malloc}; median "
-          f"of {rounds} interleaved rounds of {steps} steps each; faults = minor page faults "
-          "per step", flush=True)
+          f"of {rounds} interleaved rounds of {steps} steps each; ratio = median over rounds of "
+          "the variant's time over the plain step's in the same round; faults = minor page "
+          "faults per step", flush=True)
     table = markdown_table(HEADER, rows)
     print(table, flush=True)
     return table
@@ -179,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round (default 5)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=11,
+                        help="interleaved rounds (default 11)")
     parser.add_argument("--allocator", choices=("default", "no-trim", "both"), default="both",
                         help="run under the default allocator, glibc without trimming, or both")
     args = parser.parse_args(argv)
