@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import gradtap as gt
@@ -1006,3 +1008,73 @@ def test_a_large_gradient_changed_after_its_backward_is_reduced_again_at_the_che
     (a,) = det.anomalies
     assert (a.module_name, a.kind, a.where, a.slot, a.inf) == ("0", "inf", "param_grad",
                                                                 "weight", 1)
+
+
+# -- the fused finiteness flags of small parameter gradients ------------------------------------
+
+
+def _bits(t: Tensor) -> Tensor:
+    """The raw bits of a float tensor (NaN payloads included), for bit-for-bit comparison."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=8),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       plant=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 299),
+                                st.sampled_from([math.nan, math.inf, -math.inf])), max_size=3),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_nonfinite_flags_match_an_elementwise_check_and_leave_every_bit_and_version(
+        sizes, dtype, plant, seed):
+    g = torch.Generator().manual_seed(seed)
+    group = [(torch.randn(n, generator=g) * 100).to(dtype) for n in sizes]
+    for which, where, value in plant:
+        if which < len(group):
+            group[which][where % group[which].numel()] = value
+    expected = any(not bool(torch.isfinite(t).all()) for t in group)  # the oracle
+    bits = [_bits(t).clone() for t in group]
+    versions = [t._version for t in group]
+    (flag,) = _host.nonfinite_flags([group])
+    assert flag.dtype == torch.float32 and flag.dim() == 0
+    assert flag.item() == float(expected)
+    assert all(torch.equal(_bits(t), b) for t, b in zip(group, bits, strict=True))
+    assert [t._version for t in group] == versions
+
+
+def test_nonfinite_flags_fall_back_to_norms_where_the_fused_kernel_refuses(monkeypatch):
+    def refuse(*args: object) -> None:
+        raise NotImplementedError("no such kernel in this build")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", refuse)
+    group = [torch.randn(4, 4), torch.randn(7)]
+    assert _host.nonfinite_flags([group])[0].item() == 0.0
+    group[1][3] = -math.inf
+    assert _host.nonfinite_flags([group])[0].item() == 1.0
+    assert _host.nonfinite_flags([[], group[:1]]) == [torch.tensor(0.0)]  # empty lists skipped
+
+
+def test_the_screen_leaves_parameter_gradients_bit_for_bit_and_names_the_one_nan():
+    def run(detect: bool, plant: bool) -> tuple[nn.Sequential, list[gt.Anomaly]]:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+        x = torch.randn(8, 16)
+        if plant:  # a NaN reaching only the fourth Linear's bias gradient
+            net[6].bias.register_hook(lambda grad: grad.index_fill(0, torch.tensor([2]), math.nan))
+        if not detect:
+            net(x).square().sum().backward()
+            return net, []
+        with gt.detect(net, action="record") as det:
+            net(x).square().sum().backward()
+            det.step()
+        return net, det.anomalies
+
+    plain, _ = run(detect=False, plant=False)
+    watched, anomalies = run(detect=True, plant=False)
+    assert anomalies == []
+    for p, q in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(_bits(p.grad), _bits(q.grad))
+        assert p.grad._version == q.grad._version
+    _, anomalies = run(detect=True, plant=True)
+    (a,) = anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.nan) == ("6", "nan", "param_grad",
+                                                                "bias", 1)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gradtap import _tensorops as ops
 
-__all__ = ["measurable", "norms", "to_host"]
+__all__ = ["measurable", "nonfinite_flags", "norms", "to_host"]
 
 
 def measurable(g: Tensor) -> bool:
@@ -19,38 +19,19 @@ def measurable(g: Tensor) -> bool:
 
 
 #: A parameter gradient of at least this many elements is summed by the screen as soon as it is
-#: accumulated (while in cache) rather than in the foreach norm of the check.
+#: accumulated (while in cache) rather than in the fused finiteness pass of the check.
 BIG = 1 << 18
 
 
-def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (),
-          grouped: Sequence[Sequence[Tensor]] = ()) -> np.ndarray:
-    """L2 norm of each tensor (float32 accumulation at least), then of each tensor of each
-    list in ``grouped`` (lists the caller already knows to share one device and dtype), then
-    the value of each 0-d tensor in ``extra``, with one host copy per device (``host=True``:
-    CPU tensors, read directly)."""
-    # (device, dtype) -> tensors and their positions in the result: one foreach norm each.
-    by_key: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
-    for key, idx in ops.group_by_device_dtype(tensors).items():
-        by_key[key] = ([tensors[i] for i in idx], list(idx))
-    n = len(tensors)
-    for group in grouped:
-        if not group:
-            continue
-        head = group[0]
-        same = by_key.setdefault((head.device, head.dtype), ([], []))
-        same[0].extend(group)
-        same[1].extend(range(n, n + len(group)))
-        n += len(group)
+def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = ()) -> np.ndarray:
+    """L2 norm of each tensor (float32 accumulation at least), then the value of each 0-d
+    tensor in ``extra``, with one host copy per device (``host=True``: CPU tensors, read
+    directly)."""
     parts, order = [], []
-    for ts, idx in by_key.values():
-        try:
-            parts.append(_norm_vector(ts))
-            order.append(idx)
-        except RuntimeError:  # a grouped list moved since it was grouped: regroup
-            for sub in ops.group_by_device_dtype(ts).values():
-                parts.append(_norm_vector([ts[i] for i in sub]))
-                order.append([idx[i] for i in sub])
+    for idx in ops.group_by_device_dtype(tensors).values():
+        parts.append(_norm_vector([tensors[i] for i in idx]))
+        order.append(idx)
+    n = len(tensors)
     for _, idx in ops.group_by_device_dtype(list(extra)).items():
         parts.append(torch.stack([extra[i] for i in idx]))
         order.append([n + i for i in idx])
@@ -59,6 +40,44 @@ def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (
     for idx, arr in zip(order, arrays):
         out[idx] = arr
     return out
+
+
+def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """For each non-empty list of tensors sharing one device and dtype, a 0-d float32 tensor
+    on that device: 1 if any element of the list is NaN or +-Inf, else 0. No host sync.
+
+    For float32 and float64, one fused pass a list, without one output per tensor: the check
+    torch's GradScaler runs (``_amp_foreach_non_finite_check_and_unscale_``) with an inverse
+    scale of exactly 1, for which it writes every value back as it was, bit for bit. It writes
+    through ``.data`` aliases, so the tensors' version counters, which autograd checks, do not
+    move. Other lists, and those the kernel refuses (an inference tensor, a moved tensor),
+    have their foreach norms summed instead: for float16 and bfloat16 the kernel goes through
+    float32 and back, which can change the sign or payload bits of a NaN.
+    """
+    flags = []
+    for group in groups:
+        if not group:
+            continue
+        head = group[0]
+        if head.dtype in (torch.float32, torch.float64):
+            found = torch.zeros((), dtype=torch.float32, device=head.device)
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [t.data for t in group], found,
+                    torch.ones((), dtype=torch.float32, device=head.device))
+                flags.append(found)
+                continue
+            except (RuntimeError, NotImplementedError):
+                pass
+        flags.append(_flag_from_norms(group, head.device))
+    return flags
+
+
+def _flag_from_norms(group: Sequence[Tensor], device: torch.device) -> Tensor:
+    """``nonfinite_flags``' fallback: the list's norms summed, by device and dtype."""
+    total = sum(_norm_vector([group[i] for i in idx]).sum().to(device)
+                for idx in ops.group_by_device_dtype(group).values())
+    return torch.isfinite(total).logical_not().to(torch.float32)
 
 
 def _norm_vector(group: list[Tensor]) -> Tensor:

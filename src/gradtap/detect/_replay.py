@@ -12,7 +12,8 @@ A healthy step should cost little, so the screen keeps no records and walks no g
 * Around each call of the model the screen also keeps the arguments (references), the RNG
   state and the autocast state: what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
-  pending forward and gradient reduction plus the norms of every parameter gradient.
+  pending forward and gradient reduction plus a finiteness flag for every parameter gradient
+  (one fused pass over the small ones, the in-backward sums of the large ones).
   ``det.check_loss(loss)`` adds the loss to that check. Without a backward (or when it
   reached no screened tensor: a loss on an intermediate only), the check runs at
   ``det.step()``, parameter gradients included.
@@ -138,8 +139,8 @@ class Screen:
         # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
         self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
         # Parameters read once (cheaper per check). Small ones are grouped by device and dtype
-        # as their gradients will be (one foreach norm a group at the check); a large one's
-        # gradient is summed as soon as it is accumulated, while it is still in cache.
+        # as their gradients will be (one fused finiteness pass a group at the check); a large
+        # one's gradient is summed as soon as it is accumulated, while it is still in cache.
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
         self._large_params: list[tuple[str, Tensor]] = []
         for name, p in model.named_parameters():
@@ -282,15 +283,23 @@ class Screen:
         if not refs and not ranges and not params:
             return []
         with torch.no_grad():
-            # The one host copy: parameter gradients (whatever their size) after the screened
-            # tensors, those summed in backward last among them.
-            values = _host.norms(refs, extra=[*(s for _, s in summed), *ranges,
-                                              *started.values()], grouped=grad_groups)
-        if math.isfinite(values.sum()):  # a healthy step
+            # The one host copy: the screened tensors' norms, then one flag per group of
+            # parameter gradients, the sums of those summed in backward, ranges, start flags.
+            flags = _host.nonfinite_flags(grad_groups)
+            values = _host.norms(refs, extra=[*flags, *(s for _, s in summed), *ranges,
+                                              *started.values()])
+        first_param = len(refs)
+        flagged = values[first_param:first_param + len(flags)]
+        values = np.delete(values, np.s_[first_param:first_param + len(flags)])
+        if not flagged.any() and math.isfinite(values.sum()):  # a healthy step
             if params:
                 self._bad_params.clear()
             return []
-        first_param = len(refs)
+        # Rare: which gradients of a flagged group are non-finite, one check each.
+        grouped = [0.0 if not flag or bool(torch.isfinite(g).all()) else math.inf
+                   for flag, group in zip(flagged, (g for g in grad_groups if g), strict=True)
+                   for g in group]
+        values = np.insert(values, first_param, grouped)
         n_refs = first_param + len(params)
         was_finite = dict(zip(started, values[n_refs + len(ranges):]))
         bad = np.flatnonzero(~np.isfinite(values[:n_refs])).tolist()
