@@ -1078,3 +1078,14 @@ def test_the_screen_leaves_parameter_gradients_bit_for_bit_and_names_the_one_nan
     (a,) = anomalies
     assert (a.module_name, a.kind, a.where, a.slot, a.nan) == ("6", "nan", "param_grad",
                                                                 "bias", 1)
+
+
+def test_nonfinite_flags_of_a_list_with_a_cast_member_keep_its_nan_bits():
+    # A group formed before part of the model was cast: the fused kernel would round-trip the
+    # float16 member through float32, so the list goes to the norms.
+    half = torch.tensor([1.0, math.nan, 2.0], dtype=torch.float16)
+    half.view(torch.int16)[1] = 0x7C01  # a signaling NaN: a float32 round trip quiets it
+    group = [torch.randn(5), half]
+    bits = _bits(half).clone()
+    assert _host.nonfinite_flags([group])[0].item() == 1.0
+    assert torch.equal(_bits(half), bits)

@@ -59,7 +59,8 @@ def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
         if not group:
             continue
         head = group[0]
-        if head.dtype in (torch.float32, torch.float64):
+        if head.dtype in (torch.float32, torch.float64) and all(
+                t.dtype == head.dtype for t in group):  # a part of the model cast since
             found = torch.zeros((), dtype=torch.float32, device=head.device)
             try:
                 torch._amp_foreach_non_finite_check_and_unscale_(
