@@ -404,7 +404,7 @@ class Tap:
 
     def _note_outputs(self, call: _Call, module: nn.Module, output: Any) -> Any:
         start = call.start
-        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
+        outs = flatten_tensors(output, "output")
         # An output that was not made by this call (an input or parameter returned as is) gets
         # an alias node, so "via this call" has a node to hang on.
         if any(_passes_through(t, start) for _, t in outs):

@@ -131,6 +131,8 @@ def flatten_tensors(obj: Any, prefix: str, *, under_prefix: bool = False) -> lis
     ``under_prefix=True`` (a tuple argument ``hx`` gives ``"hx.0"``, ``"hx.1"``). Non-tensor
     leaves are skipped.
     """
+    if isinstance(obj, Tensor):  # the common case: a module returning one tensor
+        return [(prefix, obj)]
     out: list[tuple[str, Tensor]] = []
     _flatten(obj, prefix, out, top=not under_prefix)
     return out

@@ -172,7 +172,7 @@ class Screen:
             self._screen_outputs(name, output, None)
 
     def _screen_outputs(self, name: str, output: Any, call: RootCall | None) -> None:
-        outs = [("output", output)] if isinstance(output, Tensor) else flatten_tensors(output, "output")
+        outs = flatten_tensors(output, "output")
         for path, t in outs:
             if _host.measurable(t):
                 self._forward.add("forward", name, path, t)  # detached if reported
@@ -411,8 +411,7 @@ class Screen:
                     output = self.model(*args, **kwargs)
                 if id(call) not in in_backward or not call.grads:
                     continue
-                outs = dict([("output", output)] if isinstance(output, Tensor)
-                            else flatten_tensors(output, "output"))
+                outs = dict(flatten_tensors(output, "output"))
                 pairs = [(outs[k], g) for k, g in call.grads.items()
                          if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
                 if not pairs:
