@@ -43,7 +43,8 @@ __all__ = ["HookSet", "Tap", "argument_tensors", "at_end_of_backward", "legacy_b
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _graph_task_id = torch._C._current_graph_task_id
 _AccumulateGrad = torch._C._functions.AccumulateGrad
-_INPUT, _PARAM = 0, 1
+_INPUT, _PARAM, _INPUT_REGION = 0, 1, 2
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 RecordCallback = Callable[[GradRecord], None]
 ForwardCallback = Callable[[str, int, nn.Module, dict[str, Tensor], dict[str, Tensor]], None]
@@ -81,6 +82,53 @@ def replaying(owner: Tap) -> Iterator[None]:
         yield
     finally:
         _Replay.owner, _Replay.task = None, -1
+
+
+class _Boundary(torch.autograd.Function):
+    """An identity marked as an in-place op on its input: the tensor keeps its identity (and,
+    put back by the caller, its version), while every later use goes through this node, whose
+    backward hands the gradient to ``sink`` (which may return a replacement)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.sink = sink
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return ctx.sink(g), None
+
+
+class _Region:
+    """Where a view lies in its base's storage, to cut a gradient w.r.t. the base to the
+    gradient w.r.t. the view."""
+
+    __slots__ = ("size", "stride", "offset", "base_size", "base_stride", "whole")
+
+    def __init__(self, view: Tensor, base: Tensor) -> None:
+        self.size, self.stride = view.shape, view.stride()
+        self.offset = view.storage_offset() - base.storage_offset()
+        self.base_size, self.base_stride = base.shape, base.stride()
+        self.whole = view.numel() == base.numel()
+
+    def of(self, g: Tensor) -> Tensor:
+        """The view's part of ``g``, a gradient w.r.t. the base (copied out unless it is the
+        whole of ``g``, so a small region does not keep a large gradient alive)."""
+        if g.shape != self.base_size:
+            g = g.expand(self.base_size)
+        if g.stride() != self.base_stride:
+            g = torch.empty_strided(self.base_size, self.base_stride, dtype=g.dtype,
+                                    device=g.device).copy_(g)
+        part = g.as_strided(self.size, self.stride, g.storage_offset() + self.offset)
+        return part if self.whole else part.clone()
+
+    def replaced(self, g: Tensor, part: Tensor) -> Tensor:
+        """A copy of ``g`` (a gradient w.r.t. the base) with the view's region set to ``part``."""
+        out = torch.empty_strided(self.base_size, self.base_stride, dtype=g.dtype,
+                                  device=g.device).copy_(g)
+        out.as_strided(self.size, self.stride, out.storage_offset() + self.offset).copy_(part)
+        return out
 
 
 class HookSet:
@@ -232,8 +280,8 @@ class _Call:
     """Mutable state of one module call until its record is finished."""
 
     __slots__ = ("info", "index", "grad_inputs", "grad_outputs", "param_grads", "inputs",
-                 "outputs", "input_edges", "start", "expected", "remaining", "touched",
-                 "last_fire", "out_versions", "fwd_inputs")
+                 "outputs", "input_edges", "input_bases", "input_ids", "start", "expected", "remaining",
+                 "touched", "last_fire", "out_versions", "fwd_inputs")
 
     def __init__(self, info: _ModuleInfo, index: int) -> None:
         self.info = info
@@ -244,6 +292,9 @@ class _Call:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.input_edges: dict[tuple[Any, int], str] = {}
+        # Edge of the base of a view argument -> (argument key, where the view lies in it).
+        self.input_bases: dict[tuple[Any, int], tuple[str, _Region]] = {}
+        self.input_ids: dict[int, str] = {}  # id of each argument tensor -> its key
         self.start = 0
         self.expected = 0
         self.remaining = 0
@@ -387,15 +438,28 @@ class Tap:
         if self._on_forward is not None:
             call.fwd_inputs = dict(flat)
         grad_inputs, input_edges = call.grad_inputs, call.input_edges
+        input_ids = call.input_ids
         for path, t in flat:
             grad_inputs[path] = None
             if t.requires_grad:
+                input_ids.setdefault(id(t), path)
                 fn = t.grad_fn
                 if fn is not None:
                     input_edges[(fn, t.output_nr)] = path
                 else:
                     edge = get_gradient_edge(t)
                     input_edges[(edge.node, edge.output_nr)] = path
+        # A view argument modified in place inside the call sends its gradient to the base's
+        # edge (through a CopySlices node), not to the view's own edge: note the base's edge
+        # and where the view lies in it.
+        # (A view of a leaf that requires grad cannot be modified in place.)
+        for path, t in flat:
+            if t.requires_grad and t._is_view():
+                base = t._base
+                if base.grad_fn is not None:
+                    edge = (base.grad_fn, base.output_nr)
+                    if edge not in input_edges:
+                        call.input_bases[edge] = (path, _Region(t, base))
         if self._keep_inputs:
             for path, t in flat:
                 kept = t.detach().clone() if info.clone_inputs else t.detach()
@@ -403,52 +467,176 @@ class Tap:
         return replaced
 
     def _note_outputs(self, call: _Call, module: nn.Module, output: Any) -> Any:
+        """Find how each output's boundary gradient will be seen, and hook the call's nodes.
+
+        ``grad_outputs[k]`` is what flows back into the call through output ``k`` from the uses
+        after the call returned. Each output gets the cheapest way that sees exactly that:
+
+        * made by the call, not a view, not used inside the call: its own node (a later
+          in-place op still sends its gradient there);
+        * a view made by the call of a base made by the call, neither used elsewhere inside
+          the call: the base's node, cut to the view's region (a later in-place op on the view
+          sends its gradient there through a CopySlices node);
+        * otherwise (used inside the call, returned as it came in, a view of a tensor made
+          before the call): a boundary node, an identity marked as an in-place op on the very
+          tensor returned (its version counter is put back, so saved tensors stay valid), so
+          uses after the call, and later in-place ops, go through it and uses inside do not;
+        * the same tensor under a second output path, or a leaf returned as is: a view alias
+          of its own (a leaf cannot be modified in place, so the alias is never bypassed).
+        """
         start = call.start
         outs = flatten_tensors(output, "output")
-        # An output that was not made by this call (an input or parameter returned as is) gets
-        # an alias node, so "via this call" has a node to hang on.
-        if any(_passes_through(t, start) for _, t in outs):
-            output = map_tensors(output, lambda t: t.view_as(t) if _passes_through(t, start) else t)
-            outs = flatten_tensors(output, "output")
-            returned = output
-        else:
-            returned = None
-
-        out_nodes: dict[Any, list[tuple[int, str]]] = {}
-        for path, t in outs:
+        made: list[tuple[str, Tensor]] = []   # outputs made by this call
+        boundary: list[tuple[str, Tensor, Any]] = []  # (path, tensor, what it bypasses)
+        aliased: set[int] = set()             # indices into outs that get an alias
+        first: set[int] = set()
+        repeated: set[int] = set()           # ids of tensors under more than one path
+        watched: dict[tuple[Any, int], None] = {}
+        for i, (path, t) in enumerate(outs):
             call.grad_outputs[path] = None
-            if t.requires_grad and t.grad_fn is not None:
-                out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
-                call.out_versions.append((path, weakref.ref(t), t._version))
             if self._keep_outputs:
                 kept = t.detach()
                 call.outputs[path] = kept if self._to is None else kept.to(self._to)
+            if not t.requires_grad:
+                continue
+            if id(t) in first:
+                aliased.add(i)
+                repeated.add(id(t))
+                continue
+            first.add(id(t))
+            fn = t.grad_fn
+            if fn is None:
+                aliased.add(i)
+            elif fn._sequence_nr() < start:
+                # Returned as it came in: the boundary node's gradient is also what the call
+                # sends to that input.
+                boundary.append((path, t, call.input_ids.get(id(t))))
+            else:
+                made.append((path, t))
+                watched[(fn, t.output_nr)] = None
+                base = t._base if t._is_view() else None
+                if base is not None and base.grad_fn is not None:
+                    watched[(base.grad_fn, base.output_nr)] = None
 
-        edges = self._walk(call, out_nodes)
-        hooked = self._install_node_hooks(call, out_nodes, edges)
+        edges, users = self._walk(call, [t.grad_fn for _, t in made], watched)
+
+        out_nodes: dict[Any, list[tuple[int, str]]] = {}
+        base_nodes: dict[Any, list[tuple[str, _Region]]] = {}
+        for path, t in made:
+            fn = t.grad_fn
+            internal = not t._is_view()
+            if not internal:
+                base = t._base
+                bfn = base.grad_fn
+                internal = bfn is not None and bfn._sequence_nr() >= start
+            if internal and (users.get((fn, t.output_nr)) or id(t) in repeated):
+                # Used inside the call, or its node also feeds the aliases of its other paths.
+                boundary.append((path, t, None))
+            elif not t._is_view():
+                out_nodes.setdefault(fn, []).append((t.output_nr, path))
+            elif internal:
+                if self._rewrite_out is None and users.get((bfn, base.output_nr)) == [fn]:
+                    base_nodes.setdefault(bfn, []).append((path, _Region(t, base)))
+                else:
+                    boundary.append((path, t, None))
+            else:
+                # A view of a tensor made before the call (x[:, :3], a flatten): the boundary
+                # node goes on the view and the view's own node is bypassed, so its gradient
+                # is sent to the call's inputs by calling that node, when it leads to them
+                # directly; otherwise the view's own node is watched.
+                keys = [call.input_edges.get(e) for e in fn.next_functions]
+                if not users.get((fn, t.output_nr)) and id(t) not in repeated and all(
+                        k is not None or e[0] is None for k, e in zip(keys, fn.next_functions)):
+                    boundary.append((path, t, (fn, keys)))
+                else:
+                    out_nodes.setdefault(fn, []).append((t.output_nr, path))
+                    call.out_versions.append((path, weakref.ref(t), t._version))
+
+        returned = None
+        if aliased:
+            # Aliases first, so they hang on the original node, not on a boundary node.
+            count = itertools.count()
+            output = map_tensors(output, lambda t: t.view_as(t) if next(count) in aliased else t)
+            returned = output
+            originals = outs
+            for i, (path, t) in enumerate(flatten_tensors(output, "output")):
+                if i in aliased:
+                    out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
+                    original = originals[i][1]
+                    key = call.input_ids.get(id(original))
+                    if key is not None:
+                        edges.setdefault(t.grad_fn, []).append((0, _INPUT, key))
+                    elif original.grad_fn is None:
+                        name = call.info.param_by_id.get(id(original))
+                        if name is not None:
+                            edges.setdefault(t.grad_fn, []).append((0, _PARAM, name))
+
+        hooked = 0
+        for path, t, bypassed in boundary:
+            if self._boundary(call, path, t, bypassed):
+                hooked += 1
+            elif t.grad_fn is not None and t.grad_fn._sequence_nr() >= start:
+                # Not markable (e.g. a view made by a multi-output op, which cannot be
+                # modified in place either): its own node.
+                out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
+                call.out_versions.append((path, weakref.ref(t), t._version))
+        hooked += self._install_node_hooks(call, out_nodes, base_nodes, edges)
         call.expected = call.remaining = hooked
         call.input_edges = {}  # the walk is done; do not keep graph nodes alive through it
+        call.input_bases = {}
+        call.input_ids = {}
 
         if self._on_forward is not None:
             self._on_forward(call.info.name, call.index, module, call.fwd_inputs, dict(outs))
             call.fwd_inputs = {}
         return returned
 
-    def _walk(self, call: _Call, out_nodes: dict[Any, list]) -> dict[Any, list[tuple[int, int, str]]]:
-        """Find the nodes of this call with edges into its inputs or its parameters."""
-        start, input_edges, param_by_id = call.start, call.input_edges, call.info.param_by_id
+    def _boundary(self, call: _Call, path: str, t: Tensor, bypassed: Any) -> bool:
+        """Put a boundary node on ``t`` (the tensor itself, as an in-place identity); False
+        where autograd does not allow an in-place op on it (then nothing changed).
+
+        ``bypassed`` is what the gradient no longer passes through, to be credited to the
+        call's inputs by the boundary node: an input key (``t`` is that input), or the view
+        node of ``t`` with the input key of each of its edges.
+        """
+        version = t._version
+        try:
+            _Boundary.apply(t, self._boundary_sink(call, path, bypassed))
+        except RuntimeError:
+            return False
+        finally:
+            _set_versions((t,), (version,))
+        return True
+
+    def _walk(self, call: _Call, starts: list[Any], watched: dict[tuple[Any, int], None],
+              ) -> tuple[dict[Any, list[tuple[int, int, Any]]], dict[tuple[Any, int], list[Any]]]:
+        """Walk the nodes this call created, back from its outputs.
+
+        Returns the nodes with edges into the call's inputs, the bases of its view inputs or
+        its parameters (``{node: [(edge index, kind, key)]}``), and for each watched edge
+        the nodes of this call that use it (``{edge: [node]}``).
+        """
+        start, param_by_id = call.start, call.info.param_by_id
+        input_edges, input_bases = call.input_edges, call.input_bases
         current: dict[int, str] | None = None
-        stack = [n for n in out_nodes if n._sequence_nr() >= start and type(n) is not _AccumulateGrad]
+        stack = [n for n in dict.fromkeys(starts)
+                 if n._sequence_nr() >= start and type(n) is not _AccumulateGrad]
         seen = set(stack)
-        found: dict[Any, list[tuple[int, int, str]]] = {}
+        found: dict[Any, list[tuple[int, int, Any]]] = {}
+        users: dict[tuple[Any, int], list[Any]] = {}
         while stack:
             node = stack.pop()
-            for i, (nxt, nr) in enumerate(node.next_functions):
+            for i, edge in enumerate(node.next_functions):
+                nxt = edge[0]
                 if nxt is None:
                     continue
-                key = input_edges.get((nxt, nr))
+                if edge in watched:
+                    users.setdefault(edge, []).append(node)
+                key = input_edges.get(edge)
                 if key is not None:
                     found.setdefault(node, []).append((i, _INPUT, key))
+                elif edge in input_bases:
+                    found.setdefault(node, []).append((i, _INPUT_REGION, input_bases[edge]))
                 elif type(nxt) is _AccumulateGrad:
                     name = param_by_id.get(id(nxt.variable))
                     if name is None:
@@ -464,15 +652,19 @@ class Tap:
                 elif nxt not in seen and nxt._sequence_nr() >= start:
                     seen.add(nxt)
                     stack.append(nxt)
-        return found
+        return found, users
 
-    def _install_node_hooks(self, call: _Call, out_nodes: dict, edges: dict) -> int:
+    def _install_node_hooks(self, call: _Call, out_nodes: dict, base_nodes: dict,
+                            edges: dict) -> int:
         rewrite_outputs = self._rewrite_out is not None
         count = 0
         if rewrite_outputs:
             for node, entries in out_nodes.items():
                 node.register_prehook(self._output_prehook(call, entries))
                 count += 1
+        for node, entries in base_nodes.items():
+            node.register_prehook(self._base_prehook(call, entries))
+            count += 1
         for node in set(edges) | (set() if rewrite_outputs else set(out_nodes)):
             out_entries = () if rewrite_outputs else tuple(out_nodes.get(node, ()))
             node.register_hook(self._node_posthook(call, out_entries, tuple(edges.get(node, ()))))
@@ -503,6 +695,50 @@ class Tap:
 
         return prehook
 
+    def _base_prehook(self, call: _Call, entries: list[tuple[str, _Region]]) -> Callable:
+        tap_ref = weakref.ref(self)
+
+        def prehook(grad_outputs: tuple) -> None:
+            tap = tap_ref()
+            if tap is None or not tap._enabled or _standing_aside(tap):
+                return
+            tap._touch(call)
+            g = grad_outputs[0]
+            if g is not None:
+                for path, region in entries:
+                    call.grad_outputs[path] = _accumulate(call.grad_outputs[path], region.of(g))
+            tap._fired(call)
+
+        return prehook
+
+    def _boundary_sink(self, call: _Call, path: str, bypassed: Any) -> Callable[[Tensor], Tensor]:
+        tap_ref = weakref.ref(self)
+        name = call.info.name
+
+        def sink(g: Tensor) -> Tensor:
+            tap = tap_ref()
+            if tap is None or not tap._enabled or _standing_aside(tap):
+                return g
+            tap._touch(call)
+            if tap._rewrite_out is not None:
+                r = tap._rewrite_out(name, path, g)
+                if r is not None:
+                    _check_like(r, g, f"rewrite of grad_output {path!r} of {name!r}")
+                    g = r
+            call.grad_outputs[path] = _accumulate(call.grad_outputs[path], g)
+            if isinstance(bypassed, str):
+                call.grad_inputs[bypassed] = _accumulate(call.grad_inputs[bypassed], g)
+            elif bypassed is not None:
+                node, keys = bypassed
+                grads = node(g)
+                for key, gi in zip(keys, (grads,) if isinstance(grads, Tensor) else grads):
+                    if key is not None:
+                        call.grad_inputs[key] = _accumulate(call.grad_inputs[key], gi)
+            tap._fired(call)
+            return g
+
+        return sink
+
     def _node_posthook(self, call: _Call, out_entries: tuple, edge_entries: tuple) -> Callable:
         tap_ref = weakref.ref(self)
         name = call.info.name
@@ -519,15 +755,7 @@ class Tap:
                 g = grad_inputs[i]
                 if g is None:
                     continue
-                if kind == _INPUT:
-                    if tap._rewrite_in is not None:
-                        r = tap._rewrite_in(name, key, g)
-                        if r is not None:
-                            _check_like(r, g, f"rewrite of grad_input {key!r} of {name!r}")
-                            new = new or list(grad_inputs)
-                            new[i] = g = r
-                    call.grad_inputs[key] = _accumulate(call.grad_inputs[key], g)
-                else:
+                if kind == _PARAM:
                     if tap._rewrite_param is not None:
                         r = tap._rewrite_param(name, call.index, key, g)
                         if r is not None:
@@ -535,6 +763,21 @@ class Tap:
                             new = new or list(grad_inputs)
                             new[i] = g = r
                     call.param_grads[key] = _accumulate(call.param_grads[key], g)
+                    continue
+                region = None
+                if kind == _INPUT_REGION:  # the base of a view argument modified in place
+                    key, region = key
+                    part = region.of(g)
+                else:
+                    part = g
+                if tap._rewrite_in is not None:
+                    r = tap._rewrite_in(name, key, part)
+                    if r is not None:
+                        _check_like(r, part, f"rewrite of grad_input {key!r} of {name!r}")
+                        new = new or list(grad_inputs)
+                        new[i] = r if region is None else region.replaced(g, r)
+                        part = r
+                call.grad_inputs[key] = _accumulate(call.grad_inputs[key], part)
             tap._fired(call)
             return tuple(new) if new is not None else None
 
