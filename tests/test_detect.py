@@ -894,6 +894,155 @@ def test_activation_checkpointing_replays_without_counting_recomputations():
         ("block.1", "grad_input", "x", 0)]
 
 
+class _CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = ScaledLinear(4, 4), nn.Tanh()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.fc(x))
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Three blocks, each run under non-reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CheckpointedBlock() for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x.sum()
+
+
+def _plant_nan_in_column_0(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+    out = out.clone()
+    out[:, 0] = math.nan
+    return out
+
+
+def test_non_reentrant_checkpointing_healthy_steps_report_nothing_and_keep_grads(mode):
+    torch.manual_seed(0)
+    net = _CheckpointedBlocks()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 4)
+    ref(x).backward()  # oracle: the same step without detect
+    with gt.detect(net) as det:
+        for _ in range(2):
+            net.zero_grad()
+            net(x).backward()
+            assert not det.should_skip()
+            det.step()
+    assert det.anomalies == []
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_nan_planted_inside_a_checkpointed_block_is_found_at_the_leaf_and_training_goes_on(
+        mode):
+    torch.manual_seed(0)
+    net = _CheckpointedBlocks()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    planted = net.blocks[1].fc.register_forward_hook(_plant_nan_in_column_0)
+    with gt.detect(net, action="record") as det:
+        net(x).backward()
+        assert det.should_skip()  # the planted step: skip the update
+        opt.zero_grad()
+        det.step()
+        planted.remove()
+        for _ in range(2):  # healthy steps after it: nothing new, updates applied
+            net(x).backward()
+            assert not det.should_skip()
+            opt.step()
+            opt.zero_grad()
+            det.step()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot, a.step) == (
+        "blocks.1.fc", "nan", "forward", "output", 0)
+    # Named by the per-call watch (a replay that ran to the end), with the call's record.
+    assert "replay failed" not in a.message
+    assert a.record is not None and a.record.module_name == "blocks.1.fc"
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_a_nan_parameter_gradient_inside_a_checkpointed_block_is_found_at_its_module(mode):
+    torch.manual_seed(0)
+    net = _CheckpointedBlocks()
+    net.blocks[1].fc.factor = math.nan  # its backward makes the weight gradient NaN
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 4)
+    ref(x).backward()  # oracle: the same step without detect
+    bad = {n for n, p in ref.named_parameters() if not torch.isfinite(p.grad).all()}
+    assert bad == {"blocks.1.fc.weight"}  # the weight alone: its input gradient is finite
+    with gt.detect(net, action="record") as det:
+        net(x).backward()
+        det.step()
+    (a,) = det.anomalies
+    assert (a.module_name, a.kind, a.where, a.slot) == ("blocks.1.fc", "nan", "param_grad",
+                                                        "weight")
+    assert a.nan == int(torch.isnan(ref.blocks[1].fc.weight.grad).sum())
+
+
+def test_the_report_reads_no_saved_tensor_behind_an_unpack_hook():
+    runs = []
+
+    def region(x: Tensor) -> Tensor:
+        runs.append(1)
+        return x.sin().exp()
+
+    torch.manual_seed(0)
+    x = torch.randn(5, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).tanh()
+    saved = _core._saved_tensors([y.grad_fn])
+    assert runs == [1]  # nothing recomputed to read the checkpointed region
+    assert list(saved) == [y.data_ptr()]  # tanh's own saved result, read as before
+    assert torch.equal(saved[y.data_ptr()][0], y)
+    y.sum().backward()  # the backward still finds every saved tensor, unpacked once
+    assert runs == [1, 1]
+    oracle = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(oracle.sin().exp().tanh().sum(), oracle)
+    torch.testing.assert_close(x.grad, g)
+
+
+def test_a_saved_tensor_that_does_not_say_whether_it_has_a_hook_is_read_outside_backward_only():
+    class OldSavedTensor:  # as in a torch without SavedTensor.unpack_hook
+        pass
+
+    node = type("Node", (), {"_raw_saved_self": OldSavedTensor()})()
+    assert not _core._behind_unpack_hook(node, "_saved_self")
+    assert not _core._behind_unpack_hook(node, "_saved_dim")  # not a tensor
+    inside = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: inside.append(_core._behind_unpack_hook(node, "_saved_self")))
+    y.sum().backward()
+    assert inside == [True]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("planted", [False, True])
+def test_gpt2_with_gradient_checkpointing_reports_the_planted_module(mode, planted):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                                     n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 50, (2, 8))
+    if planted:
+        model.transformer.h[1].mlp.c_fc.register_forward_hook(_plant_nan_in_column_0)
+    with gt.detect(model, action="record") as det:
+        model(ids, labels=ids).loss.backward()
+        det.step()
+    found = [(a.module_name, a.kind, a.where, a.slot) for a in det.anomalies]
+    assert found == ([("transformer.h.1.mlp.c_fc", "nan", "forward", "output")] if planted
+                     else [])
+    assert all(a.record is not None for a in det.anomalies)  # not the screen's fallback
+
+
 @pytest.mark.parametrize("screen", ["model", "modules"])
 def test_a_gradient_entering_other_than_through_the_outputs_is_still_reported(screen):
     class Aux(nn.Module):

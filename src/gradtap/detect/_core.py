@@ -1177,8 +1177,11 @@ def _on_cpu(rec: GradRecord) -> bool:
 def _saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor]]:
     """Tensors saved for backward by the graph behind ``roots``, by ``data_ptr()``.
 
-    Only used to report exact counts once something is wrong; reading a saved tensor runs its
-    unpack hook (e.g. an activation checkpoint recomputes, as its backward would anyway).
+    Only used to report exact counts once something is wrong. A saved tensor behind an unpack
+    hook is left out: what its hook returns is a new tensor, not the one measured (an
+    activation checkpoint recomputes it, an offload copies it back), and reading it can use up
+    what the backward needs (a non-reentrant checkpoint unpacks each saved tensor once per
+    backward).
     """
     found: dict[int, list[Tensor]] = {}
     seen: set[Any] = set()
@@ -1192,6 +1195,8 @@ def _saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor
             if not attr.startswith("_saved_"):
                 continue
             try:
+                if _behind_unpack_hook(node, attr):
+                    continue
                 value = getattr(node, attr)
             except Exception:  # noqa: BLE001 - freed, or modified in place since
                 continue
@@ -1200,6 +1205,26 @@ def _saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor
                     found.setdefault(x.data_ptr(), []).append(x)
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return found
+
+
+def _behind_unpack_hook(node: Any, attr: str) -> bool:
+    """Whether reading ``node.<attr>`` (a ``_saved_*`` attribute) would run an unpack hook.
+
+    A torch whose saved tensors do not tell (no ``unpack_hook``) is trusted only where an
+    unpack cannot use up anything: outside a backward and outside a ``GraphExecGroup``.
+    """
+    raw = getattr(node, "_raw" + attr, None)
+    if raw is None:  # not a saved tensor (a size, a scalar), or freed
+        return False
+    unknown = object()
+    for r in raw if isinstance(raw, (tuple, list)) else (raw,):
+        hook = getattr(r, "unpack_hook", unknown)
+        if hook is unknown:
+            group = getattr(torch._C, "_get_graph_exec_group", lambda: None)()
+            return _graph_task_id() != -1 or group is not None
+        if hook is not None:
+            return True
+    return False
 
 
 def _record_stats(rec: GradRecord) -> list[TensorStat]:
