@@ -56,8 +56,9 @@ class Explanation:
             blocks.append("\n".join(lines))
         legend = (
             "Each row is one gradient the backward of that call touched: 'output' rows are "
-            "dL/d(output) as the module produced it, 'input' rows the gradient this call sent "
-            "to that forward argument, 'parameter' rows this call's share of p.grad."
+            "what flowed back into this call through that output (from its uses after the "
+            "call returned), 'input' rows the gradient this call sent to that forward "
+            "argument, 'parameter' rows this call's share of p.grad."
         )
         if self.legacy:
             legend += (" 'legacy' is the index of that gradient in grad_input of the legacy "

@@ -30,8 +30,11 @@ class GradRecord:
         call: 0 for this module's first call since the tap started or was cleared, 1, 2, ...
         grad_inputs: forward argument name -> dL/d(that input) via this call only; ``None`` for
             an input that does not require grad or received no gradient.
-        grad_outputs: output path (``"output"``, ``"0"``, dict key, nested ``"a.0"``) ->
-            dL/d(that output), as the module produced it (before later in-place changes).
+        grad_outputs: output path (``"output"``, ``"0"``, dict key, nested ``"a.0"``) -> what
+            flowed back into this call through that output: the gradient w.r.t. the value the
+            call returned, from its uses after the call returned (uses inside the call are not
+            part of it, as with ``register_full_backward_hook``); ``None`` when nothing after
+            the call used it.
         param_grads: parameter name relative to the module (``"weight"``, ``"0.bias"``) -> this
             call's contribution to its gradient; ``None`` if the call did not use it.
         inputs: forward inputs under the ``grad_inputs`` keys, when kept, else empty.
@@ -95,7 +98,8 @@ def describe_row(role: str, key: str, grad: Tensor | None) -> list[str]:
 def meaning(role: str, key: str, grad: Tensor | None) -> str:
     """Explain in words what the gradient in one slot is."""
     if role == "output":
-        text = f"dL/d {key}: gradient of the loss w.r.t. this call's output '{key}'"
+        text = (f"dL/d {key}: what flowed back into this call through output '{key}' "
+                "(its uses after the call returned)")
     elif role == "input":
         text = f"dL/d {key}: gradient of the loss w.r.t. input '{key}' via this call only"
     else:
