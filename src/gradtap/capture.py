@@ -521,7 +521,7 @@ class Tap:
         edges, users = self._walk(call, [t.grad_fn for _, t in made], watched)
 
         out_nodes: dict[Any, list[tuple[int, str]]] = {}
-        base_nodes: dict[Any, list[tuple[str, _Region]]] = {}
+        base_nodes: dict[Any, list[tuple[int, str, _Region]]] = {}
         for path, t in made:
             fn = t.grad_fn
             internal = not t._is_view()
@@ -536,7 +536,7 @@ class Tap:
                 out_nodes.setdefault(fn, []).append((t.output_nr, path))
             elif internal:
                 if self._rewrite_out is None and users.get((bfn, base.output_nr)) == [fn]:
-                    base_nodes.setdefault(bfn, []).append((path, _Region(t, base)))
+                    base_nodes.setdefault(bfn, []).append((base.output_nr, path, _Region(t, base)))
                 else:
                     boundary.append((path, t, None))
             else:
@@ -695,7 +695,7 @@ class Tap:
 
         return prehook
 
-    def _base_prehook(self, call: _Call, entries: list[tuple[str, _Region]]) -> Callable:
+    def _base_prehook(self, call: _Call, entries: list[tuple[int, str, _Region]]) -> Callable:
         tap_ref = weakref.ref(self)
 
         def prehook(grad_outputs: tuple) -> None:
@@ -703,9 +703,9 @@ class Tap:
             if tap is None or not tap._enabled or _standing_aside(tap):
                 return
             tap._touch(call)
-            g = grad_outputs[0]
-            if g is not None:
-                for path, region in entries:
+            for nr, path, region in entries:
+                g = grad_outputs[nr]
+                if g is not None:
                     call.grad_outputs[path] = _accumulate(call.grad_outputs[path], region.of(g))
             tap._fired(call)
 
