@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCTEST_MODULES = ["gradtap.select", "gradtap.capture", "gradtap.record", "gradtap.explain",
                    "gradtap.curvature", "gradtap.functional.explicit", "gradtap.monitor",
-                   "gradtap.store", "gradtap.per_sample.api", "gradtap._registry"]
+                   "gradtap.store", "gradtap.per_sample.api", "gradtap._registry",
+                   "gradtap.integrations.hf_models"]
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)

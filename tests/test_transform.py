@@ -590,6 +590,192 @@ def test_clip_global_norm_at_step_matches_torch_clip_grad_norm():
             ref_opt.zero_grad()
 
 
+class Branches(nn.Module):
+    """Two branches ``a`` and ``b``; ``forward(x, use_b)`` may leave ``b`` out; float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        self.b = nn.Linear(3, 2)
+        self.double()
+
+    def forward(self, x, use_b=True):
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+def _clip_ref(ref: nn.Module, pattern: str, max_norm: float) -> torch.Tensor:
+    """The oracle: torch's clip_grad_norm_ over the parameters ``pattern`` names (None grads skipped)."""
+    import fnmatch
+
+    chosen = [p for n, p in ref.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+    return torch.nn.utils.clip_grad_norm_(chosen, max_norm)
+
+
+def _assert_same_grads(net: nn.Module, ref: nn.Module) -> None:
+    for (n, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
+
+
+@pytest.mark.parametrize("max_norm", [0.01, 1e3])
+def test_clip_global_norm_on_accumulate_matches_clip_grad_norm_after_backward(max_norm):
+    # one backward per step, next to a per-tensor rule on the biases
+    batches = data(steps=3, micro=1, seed=5)
+    net, ref = SharedNet(), SharedNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rules = {"*.weight": gt.clip_global_norm(max_norm), "*.bias": gt.scale(0.5)}
+    with gt.transform(net, rules) as h:  # when="accumulate" is the default
+        assert h.when == "accumulate"
+        for (x, y), in batches:
+            F.mse_loss(net(x), y).backward()
+            F.mse_loss(ref(x), y).backward()
+            total = _clip_ref(ref, "*.weight", max_norm)
+            assert (total > max_norm) == (max_norm < 1)  # the clip is active only for the small bound
+            for q in (ref.enc.bias, ref.shared.bias, ref.head.bias):
+                q.grad = q.grad * 0.5
+            _assert_same_grads(net, ref)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    assert hook_free(net)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_clip_global_norm_on_accumulate_clips_the_running_sum_after_each_backward(set_to_none):
+    # Several backwards before a step: after each one, the accumulated .grad of the rule's
+    # parameters (the already clipped earlier part included) is clipped, i.e. clip_grad_norm_
+    # after every backward. A parameter reached only by the first backward is still part of
+    # the second one's norm, because its .grad is.
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(6, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+    net, ref = Branches(), Branches()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with gt.transform(net, {"*": gt.clip_global_norm(0.05)}):
+        for step in range(2):
+            for use_b in (True, False):
+                x = xs[2 * step + use_b]
+                net(x, use_b).square().sum().backward()
+                ref(x, use_b).square().sum().backward()
+                assert _clip_ref(ref, "*", 0.05) > 0.05
+                _assert_same_grads(net, ref)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            ref_opt.zero_grad(set_to_none=set_to_none)
+    # not the same as clipping the sum of the two backwards once (that is when="step")
+    once, fresh = Branches(), Branches()
+    with gt.transform(fresh, {"*": gt.clip_global_norm(0.05)}):
+        for use_b in (True, False):
+            once(xs[use_b], use_b).square().sum().backward()
+            fresh(xs[use_b], use_b).square().sum().backward()
+    _clip_ref(once, "*", 0.05)
+    assert not torch.allclose(fresh.b.weight.grad, once.b.weight.grad)
+
+
+@pytest.mark.parametrize("when", ["accumulate", "step"])
+def test_clip_global_norm_skips_parameters_without_grad(when):
+    # b never takes part: its .grad stays None and does not enter the norm; a rule whose
+    # parameters a backward does not reach leaves them alone.
+    g = torch.Generator().manual_seed(8)
+    net, ref = Branches(), Branches()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # steps leave net equal to ref
+    rules = {"a.*": gt.clip_global_norm(0.1), "b.*": gt.clip_global_norm(0.1)}
+    with gt.transform(net, rules, when=when, optimizer=opt if when == "step" else None):
+        for _ in range(2):
+            x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+            net(x, use_b=False).square().sum().backward()
+            ref(x, use_b=False).square().sum().backward()
+            if when == "step":
+                opt.step()
+            assert _clip_ref(ref, "a.*", 0.1) > 0.1
+            assert net.b.weight.grad is None and net.b.bias.grad is None
+            _assert_same_grads(net, ref)
+            net.zero_grad()
+            ref.zero_grad()
+
+
+@pytest.mark.parametrize("when", ["accumulate", "step"])
+def test_clip_global_norm_in_a_chain_runs_after_the_members_before_it(when):
+    batches = data(steps=2, micro=1, seed=9)
+    net, ref = SharedNet(), SharedNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rules = {"*": gt.chain(gt.scale(2.0), gt.clip_global_norm(0.1), gt.scale(0.25))}
+    with gt.transform(net, rules, when=when, optimizer=opt if when == "step" else None):
+        for (x, y), in batches:
+            F.mse_loss(net(x), y).backward()
+            F.mse_loss(ref(x), y).backward()
+            for q in ref.parameters():
+                q.grad = q.grad * 2.0
+            assert _clip_ref(ref, "*", 0.1) > 0.1
+            for q in ref.parameters():
+                q.grad = q.grad * 0.25
+            opt.step()
+            ref_opt.step()
+            _assert_same_grads(net, ref)
+            torch.testing.assert_close(net.enc.weight, ref.enc.weight, rtol=1e-12, atol=1e-15)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+
+
+def test_clip_global_norm_on_accumulate_waits_for_the_end_of_a_reentrant_checkpointed_backward():
+    # With use_reentrant=True the checkpointed segment's gradients are accumulated inside a
+    # nested backward; the clip must still see every gradient of the outer one.
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(SharedNet):
+        def forward(self, x):
+            h = torch.tanh(self.enc(x))
+            h = checkpoint(lambda t: torch.tanh(self.shared(torch.tanh(self.shared(t)))), h,
+                           use_reentrant=True)
+            return self.head(h)
+
+    x, y = rand((5, 3), 11), rand((5, 2), 12)
+    net, ref = Ckpt(), SharedNet()
+    with gt.transform(net, {"*": gt.clip_global_norm(0.01)}):
+        F.mse_loss(net(x), y).backward()
+    F.mse_loss(ref(x), y).backward()
+    assert _clip_ref(ref, "*", 0.01) > 0.01
+    _assert_same_grads(net, ref)
+
+
+def test_clip_global_norm_on_accumulate_is_gone_after_remove():
+    x = rand((5, 3), 13)
+    net = Branches()
+    h = gt.transform(net, {"*": gt.clip_global_norm(1e-3)})
+    h.remove()
+    assert hook_free(net)
+    net(x).square().sum().backward()
+    ref = Branches()
+    ref(x).square().sum().backward()
+    _assert_same_grads(net, ref)
+
+
+def test_bad_update_many_output_on_accumulate_names_the_rule_and_parameter():
+    from gradtap.transform.base import _mark_group_only
+
+    def update(g, s, p):
+        raise AssertionError("not called")
+
+    bad = gt.Transform(
+        lambda p: (), _mark_group_only(update), lambda gs, ss, ps: ([g.sum() for g in gs], list(ss))
+    )
+    net = SharedNet()
+    with gt.transform(net, {"head.*": bad}):
+        with pytest.raises(
+            ValueError,
+            match=r"rule 'head\.\*' on parameter 'head\.weight': the transform returned shape \(\), torch\.float64",
+        ):
+            F.mse_loss(net(rand((2, 3), 0)), rand((2, 2), 1)).backward()
+
+
 # --------------------------------------------------------------------------- activation gradients
 
 
@@ -967,17 +1153,15 @@ def test_bad_activation_transform_output_names_the_rule_and_slot():
             r"rule '\*\.bias' applies to no parameter: every parameter it matches \(enc\.bias, shared\.bias, head\.bias\) was taken by the earlier rule\(s\) '\*'",
         ),
         (
-            {"rules": {"*.weight": gt.clip_global_norm(1.0)}},
-            ValueError,
-            r"rule '\*\.weight': clip_global_norm needs every gradient .* only when='step' provides; got when='accumulate'",
-        ),
-        (
             {
                 "rules": {"*.weight": gt.chain(gt.scale(2.0), gt.clip_global_norm(1.0))},
                 "when": "backward",
             },
             ValueError,
-            r"rule '\*\.weight': clip_global_norm .* got when='backward'",
+            r"rule '\*\.weight': clip_global_norm needs every gradient the rule matched at once; "
+            r"when='backward' transforms each call's contribution as it arrives \(use "
+            r"when='accumulate' to clip after each backward, when='step' to clip before each "
+            r"optimizer step, or clip_norm for a per-tensor bound\)",
         ),
         (
             {"rules": {"enc": gt.clip_global_norm(1.0)}, "on": "grad_input"},

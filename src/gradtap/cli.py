@@ -51,7 +51,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="a Python file and a function in it that returns the model")
     src.add_argument("--example", choices=sorted(EXAMPLES),
                      help="a built-in example model: " + "; ".join(f"{k}: {v[1]}" for k, v in EXAMPLES.items()))
+    src.add_argument("--hf", metavar="MODEL_TYPE",
+                     help="a Hugging Face transformers model type (gpt2, bert, t5, vit, whisper, "
+                          "...) built from its config with random weights, no download, and run "
+                          "on a small dummy input (needs: pip install gradtap[transformers])")
     p.add_argument("--input-shape", metavar="N,C,...", help="shape of a random input, e.g. 2,1,28,28")
+    p.add_argument("--config", metavar="K=V,K=V", default="",
+                   help="with --hf: config settings, values read as Python literals (2, 1e-5, "
+                        "True, None, [8,8]) else strings, e.g. n_layer=2,n_embd=32,n_head=2")
+    p.add_argument("--task", metavar="TASK", default="auto",
+                   help="with --hf: which auto class builds the model: auto (default: the "
+                        "model's training head, e.g. GPT-2's LM head, T5's generation head, "
+                        "ViT's classifier), base (AutoModel, no head), pretraining, causal-lm, "
+                        "masked-lm, seq2seq-lm, sequence-classification, token-classification, "
+                        "image-classification, audio-classification, ctc, speech-seq2seq")
     p.add_argument("--select", default="*", help="glob of modules to explain (default: every submodule)")
     p.add_argument("--legacy", action="store_true",
                    help="also show each slot's index in the legacy register_backward_hook's grad_input")
@@ -123,7 +136,23 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from gradtap.explain import explain
 
     torch.manual_seed(args.seed)
-    if args.example:
+    if not args.hf and (args.config or args.task != "auto"):
+        raise _CliError("--config and --task go with --hf MODEL_TYPE")
+    inputs, header = None, ""
+    if args.hf:
+        if args.input_shape:
+            raise _CliError("--input-shape does not apply to --hf (the input is made from the "
+                            "model's config); set sizes with --config")
+        from gradtap.integrations.hf_models import describe_inputs, model_and_inputs, parse_config
+
+        try:
+            model, inputs = model_and_inputs(args.hf, parse_config(args.config), args.task)
+        except (ImportError, ValueError) as err:  # transformers missing; HFModelError
+            raise _CliError(str(err)) from err
+        count = sum(p.numel() for p in model.parameters())
+        header = (f"{type(model).__name__} ({args.hf}, {count:,} parameters, random weights, "
+                  f"eval mode) on {describe_inputs(inputs)}\n\n")
+    elif args.example:
         from gradtap import examples
 
         model = getattr(examples, args.example)()
@@ -135,9 +164,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         shape = _parse_shape(args.input_shape)
     if not isinstance(model, torch.nn.Module):
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
-    x = torch.randn(*shape)
+    if inputs is None:
+        inputs = torch.randn(*shape)
     try:
-        print(explain(model, x, select=args.select, legacy=args.legacy))
+        print(header + str(explain(model, inputs, select=args.select, legacy=args.legacy)))
     except ValueError as err:  # SelectionError, bad loss
         raise _CliError(str(err)) from err
     return 0

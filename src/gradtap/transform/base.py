@@ -16,7 +16,8 @@ A transform may also offer ``update_many(grads, states, params, **extra) -> (new
 new_states)`` over every tensor one rule matched (lists, in plan order). The driver uses it
 with ``when="step"``, where all those gradients are known at once. A transform whose
 per-tensor ``update`` cannot be meaningful (``clip_global_norm``) is *group-only*: it can only
-run through ``update_many``.
+run through ``update_many``, which the driver also calls at the end of each backward with
+``when="accumulate"``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class Transform(NamedTuple):
         init: ``param -> state``. State holds only tensors, numbers and tuples/dicts of them.
         update: ``(grad, state, param, **extra) -> (new_grad, new_state)``.
         update_many: optional; the same over every tensor one rule matched (lists in plan
-            order). Used by :func:`gradtap.transform` with ``when="step"`` when present.
+            order). Used by :func:`gradtap.transform` with ``when="step"`` when present,
+            and at the end of each backward with ``when="accumulate"`` for group-only
+            transforms.
 
     Example:
         >>> import torch

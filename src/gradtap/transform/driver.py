@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap, tap
+from gradtap.capture import HookSet, Tap, at_end_of_backward, tap
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
 from gradtap.transform.base import State, Transform, is_group_only
@@ -215,13 +215,14 @@ class TransformHandle:
     def _plan_params(
         self, model: nn.Module, pairs: list[tuple[Any, str, Transform]], optimizer: torch.optim.Optimizer | None
     ) -> None:
-        if self.when != "step":
+        if self.when == "backward":
             for _, label, t in pairs:
                 if is_group_only(t):
                     raise ValueError(
                         f"rule {label!r}: clip_global_norm needs every gradient the rule matched at "
-                        f"once, which only when='step' provides; got when={self.when!r} (use "
-                        "clip_norm for a per-tensor bound)"
+                        "once; when='backward' transforms each call's contribution as it arrives "
+                        "(use when='accumulate' to clip after each backward, when='step' to clip "
+                        "before each optimizer step, or clip_norm for a per-tensor bound)"
                     )
         params = dict(model.named_parameters())
         matches = []
@@ -286,13 +287,19 @@ class TransformHandle:
 
     def _install_param_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         if self.when == "accumulate":
+            whole_rules: dict[str, list[_Entry]] = {}
             for entry in self._entries.values():
+                if is_group_only(entry.transform):
+                    whole_rules.setdefault(entry.label, []).append(entry)
+                    continue
 
                 def on_accumulated(p: Tensor, _entry: _Entry = entry) -> None:
                     if p.grad is not None:
                         p.grad = self._apply(_entry, p.grad, p)
 
                 self._hooks.post_accumulate_grad(entry.param, on_accumulated)
+            if whole_rules:
+                self._install_end_of_backward(list(whole_rules.values()))
         elif self.when == "step":
             groups: dict[str, list[_Entry]] = {}
             for entry in self._entries.values():
@@ -352,6 +359,57 @@ class TransformHandle:
                     _entry.hits = 0
 
                 self._hooks.post_accumulate_grad(entry.param, check)
+
+    def _install_end_of_backward(self, groups: list[list[_Entry]]) -> None:
+        """when="accumulate" for group-only rules (``clip_global_norm``): once per backward,
+        after every gradient of that backward was accumulated, the rule runs once over the
+        accumulated ``.grad`` of all its parameters that have one (as at ``when="step"``).
+
+        A rule is run at the end of a backward only if that backward accumulated into at
+        least one of its parameters. A backward nested inside a node of another backward
+        (reentrant activation checkpointing) is not the end: the rule waits for the
+        enclosing backward, whose other gradients are still to come.
+        """
+        reached = [False] * len(groups)
+        queued: list[int | None] = [None]  # the graph task whose end is already awaited
+
+        def defer_to_enclosing(node: Any) -> None:
+            fired = [False]
+
+            def after_node(grad_inputs: Any, grad_outputs: Any) -> None:
+                # One-shot: with retain_graph the node may run again in a later backward.
+                if not fired[0] and self._hooks.enabled:
+                    fired[0] = True
+                    at_end_of_backward(end_of_backward)
+
+            node.register_hook(after_node)
+
+        def end_of_backward() -> None:
+            if not self._hooks.enabled:
+                return
+            node = torch._C._current_autograd_node()
+            if node is not None:  # a nested backward ends inside a node of another one
+                defer_to_enclosing(node)
+                return
+            queued[0] = None
+            todo = [entries for entries, hit in zip(groups, reached, strict=True) if hit]
+            reached[:] = [False] * len(groups)
+            for entries in todo:
+                self._step_group(entries)
+
+        for i, entries in enumerate(groups):
+            for entry in entries:
+
+                def on_accumulated(p: Tensor, _i: int = i) -> None:
+                    reached[_i] = True
+                    task = torch._C._current_graph_task_id()
+                    if task != queued[0]:
+                        # Once per backward (a stale id left by a backward that raised is
+                        # never reused: graph task ids only grow).
+                        queued[0] = task
+                        at_end_of_backward(end_of_backward)
+
+                self._hooks.post_accumulate_grad(entry.param, on_accumulated)
 
     def _step_group(self, entries: list[_Entry]) -> None:
         live = [e for e in entries if e.param is not None and e.param.grad is not None]
@@ -519,8 +577,19 @@ def transform(
       a shared module are transformed separately (a parameter is transformed inside the calls
       of the module that owns it directly);
     * ``"step"``: once per ``optimizer.step()``, right before it, on the accumulated gradient
-      (the choice for gradient accumulation); needs ``optimizer=``. ``clip_global_norm`` is
-      accepted only here (it sees every gradient its rule matched).
+      (the choice for gradient accumulation); needs ``optimizer=``.
+
+    A rule holding ``clip_global_norm`` (alone or in a :func:`chain`) runs once over all the
+    parameters it matched, on the accumulated ``p.grad`` of those that have one (a
+    parameter whose ``.grad`` is None is left out): with ``"step"`` right before each
+    ``optimizer.step()``; with ``"accumulate"`` at the end of each backward that accumulated
+    into at least one of them, after all that backward's gradients are in. So
+    ``"accumulate"`` gives what ``torch.nn.utils.clip_grad_norm_(<the rule's parameters>,
+    max_norm)`` called after every backward gives: with one backward per step that is the
+    usual clipping; with several backwards before a step each one clips the running sum
+    (the earlier, already clipped, part included), not its own increment, so the global norm
+    of those ``.grad`` never exceeds ``max_norm`` between backwards. To clip the sum of the
+    micro-batches once, use ``"step"``. ``"backward"`` and activation gradients refuse it.
 
     Activation gradients (``on="grad_output"``: dL/d(output) as it enters the module's
     backward, so everything upstream sees the change; ``on="grad_input"``: what a call sends
@@ -542,7 +611,8 @@ def transform(
     Raises:
         SelectionError: a rule matches nothing.
         ValueError: unknown ``when``/``on``, ``when="step"`` without an optimizer,
-            ``clip_global_norm`` outside ``when="step"``; and, during backward or step, a
+            ``clip_global_norm`` with ``when="backward"`` or on activation gradients; and,
+            during backward or step, a
             transform that returns a gradient of another shape, dtype or device (naming
             the rule and the parameter).
         TypeError: a rule's value is not a :class:`Transform`.

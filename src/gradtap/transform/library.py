@@ -132,7 +132,7 @@ def clip_value(v: float) -> Transform:
 def clip_norm(max_norm: float) -> Transform:
     """Rescale the gradient so that its L2 norm is at most ``max_norm`` (per tensor).
 
-    DESIGN.md: the gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, computed
+    The gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, computed
     as a clamped tensor factor (no host sync). The norm is taken in float32 or wider.
 
     Args:
@@ -164,8 +164,12 @@ def clip_global_norm(max_norm: float) -> Transform:
     With ``total = sqrt(sum_i ||g_i||^2)`` over all the tensors one rule matched, each is
     multiplied by ``min(1, max_norm / (total + 1e-6))`` (like ``torch.nn.utils.clip_grad_norm_``
     restricted to that rule's parameters). It needs all those gradients at once, so it is
-    *group-only*: :func:`gradtap.transform` accepts it only with ``when="step"`` (alone or
-    inside a :func:`chain`); calling its per-tensor ``update`` raises.
+    *group-only*: calling its per-tensor ``update`` raises, and :func:`gradtap.transform`
+    (alone or inside a :func:`chain`) runs it through ``update_many`` on the accumulated
+    ``.grad`` of the rule's parameters, at the end of each backward (``when="accumulate"``,
+    the default: ``clip_grad_norm_`` after every backward) or right before each
+    ``optimizer.step()`` (``when="step"``). Parameters whose ``.grad`` is None are left out.
+    ``when="backward"`` and activation gradients refuse it.
 
     Args:
         max_norm: the largest joint norm allowed, ``> 0``.
@@ -186,7 +190,7 @@ def clip_global_norm(max_norm: float) -> Transform:
     def update(grad: Tensor, state: State, param: Tensor | None, /, **extra: Any) -> tuple[Tensor, State]:
         raise TypeError(
             "clip_global_norm needs every gradient its rule matched at once; it runs only "
-            "through update_many, i.e. gradtap.transform(..., when='step')"
+            "through update_many, as gradtap.transform(..., when='accumulate' or 'step') does"
         )
 
     def update_many(
@@ -243,7 +247,7 @@ def _ewma_state(like: Tensor) -> dict[str, Any]:
 
 
 def _ewma_step(grad: Tensor, state: dict[str, Any], beta: float) -> dict[str, Any]:
-    # Shares the Monitor's EWMA numerics (gradtap._tensorops), DESIGN.md's definition.
+    # Shares the Monitor's EWMA numerics (gradtap._tensorops).
     if state["count"] == 0:
         mean, var = ewma_init(grad)
         return {"count": 1, "mean": mean, "var": var}
@@ -254,7 +258,7 @@ def _ewma_step(grad: Tensor, state: dict[str, Any], beta: float) -> dict[str, An
 def normalize(beta: float = 0.99, eps: float = 1e-8) -> Transform:
     """Divide the gradient by the running std of its own history (elementwise).
 
-    DESIGN.md: the EWMA (``m = g, v = 0`` at the first step, then ``d = g - m_prev;
+    The EWMA (``m = g, v = 0`` at the first step, then ``d = g - m_prev;
     m = m_prev + (1 - beta) d; v = beta (v_prev + (1 - beta) d^2)``) is updated with the
     incoming gradient, then ``g / (sqrt(v) + eps)`` is returned; at the first step ``g`` is
     returned unchanged. State: ``{"count": int, "mean": Tensor, "var": Tensor}`` (float32 or
@@ -294,7 +298,7 @@ def normalize(beta: float = 0.99, eps: float = 1e-8) -> Transform:
 
 
 def ewma(beta: float = 0.99) -> Transform:
-    """Replace the gradient by its running mean (DESIGN.md's EWMA, updated first).
+    """Replace the gradient by its running mean (the EWMA of :func:`normalize`, updated first).
 
     At the first step the mean is the gradient itself. State: ``{"count": int, "mean":
     Tensor, "var": Tensor}``, the same EWMA state :func:`normalize` keeps. The returned

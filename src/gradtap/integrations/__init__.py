@@ -1,0 +1,5 @@
+"""Bridges to other libraries, each imported only when used (they need optional packages).
+
+* :mod:`gradtap.integrations.hf_models`: build a Hugging Face ``transformers`` model from a
+  config in code (no download) and a small dummy input for it (``gradtap explain --hf``).
+"""
