@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import gradtap as gt
-from gradtap.detect import (
+from gradtap._detect import (
     AnomalyWarning,
     Detector,
     DumpError,
@@ -760,7 +760,7 @@ def _forbidden(name: str):
     return fail
 
 
-@pytest.mark.parametrize("name", ["gradtap.detect._core", "gradtap.detect._dump"])
+@pytest.mark.parametrize("name", ["gradtap._detect._core", "gradtap._detect._dump"])
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

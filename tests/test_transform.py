@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtap as gt
-from gradtap.transform.base import is_group_only
+from gradtap._transform.base import is_group_only
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -759,7 +759,7 @@ def test_clip_global_norm_on_accumulate_is_gone_after_remove():
 
 
 def test_bad_update_many_output_on_accumulate_names_the_rule_and_parameter():
-    from gradtap.transform.base import _mark_group_only
+    from gradtap._transform.base import _mark_group_only
 
     def update(g, s, p):
         raise AssertionError("not called")

@@ -3,7 +3,7 @@
 from gradtap import functional
 from gradtap.capture import Tap, tap
 from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
-from gradtap.detect import Anomaly, detect, load_dump
+from gradtap._detect import Anomaly, detect, load_dump
 from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
 from gradtap.explain import Explanation, explain
 from gradtap.export import to_tensorboard
@@ -13,7 +13,7 @@ from gradtap.per_sample import PerSample, per_sample
 from gradtap.record import GradRecord
 from gradtap.select import select_modules, select_parameters
 from gradtap.store import Run, open_run
-from gradtap.transform import (
+from gradtap._transform import (
     Transform,
     add_noise,
     centralize,

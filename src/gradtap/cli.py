@@ -245,7 +245,7 @@ def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from gradtap.detect import inspect_main
+    from gradtap._detect import inspect_main
     from gradtap.errors import GradtapError
 
     try:

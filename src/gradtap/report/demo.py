@@ -155,7 +155,7 @@ def run_demo(
         ValueError: ``steps`` < 1, or ``inject_nan`` outside ``[0, steps)``.
     """
     try:  # detect is a later capability; the demo works without it
-        from gradtap.detect import detect
+        from gradtap._detect import detect
     except ImportError:
         detect = None
 
@@ -179,7 +179,7 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
            lr: float, hist_bins: int, kinds: tuple[str, ...], progress: ProgressFn | None,
            start: float, detect: Any, spike: float | None) -> DemoResult:
     from gradtap.monitor import Monitor
-    from gradtap.transform import chain, clip_norm, normalize, transform
+    from gradtap._transform import chain, clip_norm, normalize, transform
 
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_tensors(seed)

@@ -19,7 +19,7 @@ from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.capture import HookSet, Tap, at_end_of_backward, tap
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
-from gradtap.transform.base import State, Transform, is_group_only
+from gradtap._transform.base import State, Transform, is_group_only
 
 __all__ = ["TransformHandle", "transform"]
 

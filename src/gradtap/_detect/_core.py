@@ -1,6 +1,6 @@
 """The detector: device-side flags in the hooks, one host check per forward and per backward.
 
-By default (``replay=None`` and no ``spike``) a :class:`~gradtap.detect._replay.Screen` watches
+By default (``replay=None`` and no ``spike``) a :class:`~gradtap._detect._replay.Screen` watches
 each step and this per-call watch only runs on a replay of a step the screen found bad. The
 per-call watch itself, used from the start with ``replay=False`` or ``spike=``:
 
@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from gradtap import _tensorops as ops
 from gradtap._types import Selector
 from gradtap.capture import Tap, at_end_of_backward, tap
-from gradtap.detect import _host
-from gradtap.detect._anomaly import (
+from gradtap._detect import _host
+from gradtap._detect._anomaly import (
     LOSS,
     Anomaly,
     AnomalyWarning,
@@ -61,8 +61,8 @@ from gradtap.detect._anomaly import (
     loss_hints,
     stats_table,
 )
-from gradtap.detect._dump import write_dump
-from gradtap.detect._replay import RootCall, Screen, Suspect
+from gradtap._detect._dump import write_dump
+from gradtap._detect._replay import RootCall, Screen, Suspect
 from gradtap.errors import GradientAnomaly
 from gradtap.record import GradRecord, format_table
 from gradtap.select import select_modules

@@ -11,9 +11,9 @@ and parameters against their dtype, and a hint. See :func:`detect`.
 
 from __future__ import annotations
 
-from gradtap.detect._anomaly import LOSS, Anomaly, AnomalyWarning
-from gradtap.detect._core import Detector, detect
-from gradtap.detect._dump import DumpError, format_dump, inspect_main, load_dump
+from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
+from gradtap._detect._core import Detector, detect
+from gradtap._detect._dump import DumpError, format_dump, inspect_main, load_dump
 
 __all__ = [
     "LOSS",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradtap.detect._anomaly import Anomaly
+from gradtap._detect._anomaly import Anomaly
 from gradtap.errors import GradtapError
 from gradtap.record import GradRecord, format_table
 

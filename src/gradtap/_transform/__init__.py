@@ -1,8 +1,8 @@
 """Stateful, composable gradient transforms and the driver that applies them to a model."""
 
-from gradtap.transform.base import Transform, chain, stateless
-from gradtap.transform.driver import TransformHandle, transform
-from gradtap.transform.library import (
+from gradtap._transform.base import Transform, chain, stateless
+from gradtap._transform.driver import TransformHandle, transform
+from gradtap._transform.library import (
     add_noise,
     centralize,
     clip_global_norm,

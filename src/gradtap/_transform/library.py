@@ -1,7 +1,7 @@
 """Built-in gradient transforms.
 
 Every factory validates its arguments when called (bad values raise ``ValueError``, wrong
-types ``TypeError``) and returns a :class:`~gradtap.transform.base.Transform`. States are
+types ``TypeError``) and returns a :class:`~gradtap._transform.base.Transform`. States are
 plain dicts of tensors and numbers (see each factory), so checkpoints load with
 ``torch.load(weights_only=True)``. No transform syncs with the host: clipping multiplies by a
 clamped factor kept as a tensor.
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from gradtap._tensorops import ewma_init, ewma_update_
-from gradtap.transform.base import State, Transform, _mark_group_only, stateless
+from gradtap._transform.base import State, Transform, _mark_group_only, stateless
 
 __all__ = [
     "add_noise",
