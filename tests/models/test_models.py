@@ -20,10 +20,12 @@
   a leaf module in the middle of the forward is reported once, at that module.
 * ``explain``: prints a table per record and leaves ``.grad`` and buffers as they were.
 
-Tolerances (float32): a tensor matches when every element is within
-``1e-5 * max|expected| + 1e-8 * G`` of the oracle, ``G`` being the largest parameter-gradient
-element of the model (the second term only matters for tensors that are rounding noise
-around 0, e.g. the gradient of an attention key bias).
+Tolerances (float32): a tensor matches when every element is within ``3e-5 * max|expected|``
+of the oracle (the largest rounding difference seen between two correct computations, from
+a different order of accumulation, is 6e-6). A gradient that is rounding noise around 0
+(an attention key bias's: softmax ignores a constant shift) cannot be compared that way: a
+tensor whose largest element is below ``1e-6`` of its neighbours' (the same kind of slot in
+the same call; the parameters of the same module) only has to stay at that noise level.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from tests.models.boundary import Call, OracleResult, boundary_oracle
 pytestmark = pytest.mark.models
 
 MODELS = list(zoo.ZOO)
-RTOL = 1e-5
-FLOOR = 1e-8
+RTOL = 3e-5  # of the tensor's largest element
+NOISE = 1e-6  # of its neighbours' largest element: below this a tensor is rounding noise
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -53,13 +55,15 @@ def grads_of(model: nn.Module) -> dict[str, Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def gradient_scale(grads: Iterable[Tensor]) -> float:
-    return max((float(g.abs().max()) for g in grads), default=0.0)
+def gradient_scale(grads: Iterable[Tensor | None]) -> float:
+    return max((float(g.abs().max()) for g in grads if g is not None and g.numel()), default=0.0)
 
 
-def mismatch(actual: Tensor | None, expected: Tensor | None, scale: float,
+def mismatch(actual: Tensor | None, expected: Tensor | None, noise: float = 0.0,
              same_dtype: bool = True) -> str | None:
-    """None when they match (both None, or close tensors of one shape), else why not."""
+    """None when they match, else why not: both None, or tensors of one shape and dtype
+    within ``RTOL * max|expected|`` elementwise; where ``max|expected| <= noise`` (a gradient
+    that is rounding noise around 0) within ``2 * noise``."""
     if expected is None or actual is None:
         if expected is None and actual is None:
             return None
@@ -75,14 +79,14 @@ def mismatch(actual: Tensor | None, expected: Tensor | None, scale: float,
         return "holds non-finite values"
     top = float(e.abs().max()) if e.numel() else 0.0
     err = float((a - e).abs().max()) if e.numel() else 0.0
-    if err <= RTOL * top + FLOOR * scale:
+    if err <= (2 * noise if top <= noise else RTOL * top):
         return None
     return f"max error {err:.3g} on a scale of {top:.3g} (norms {float(a.norm()):.5g} vs {float(e.norm()):.5g})"
 
 
 def check(problems: list[str], what: str, actual: Tensor | None, expected: Tensor | None,
-          scale: float, same_dtype: bool = True) -> None:
-    why = mismatch(actual, expected, scale, same_dtype)
+          noise: float = 0.0, same_dtype: bool = True) -> None:
+    why = mismatch(actual, expected, noise, same_dtype)
     if why is not None:
         problems.append(f"{what}: {why}")
 
@@ -113,6 +117,16 @@ def hooks_of(model: nn.Module) -> dict[str, Any]:
     return found
 
 
+def noise_levels(grads: dict[str, Tensor]) -> dict[str, float]:
+    """Per parameter, NOISE times the largest gradient element among the parameters of the
+    module that owns it (a key bias's gradient is rounding noise next to its weight's)."""
+    owner = {n: n.rpartition(".")[0] for n in grads}
+    scale: dict[str, float] = {}
+    for n, g in grads.items():
+        scale[owner[n]] = max(scale.get(owner[n], 0.0), gradient_scale([g]))
+    return {n: NOISE * scale[owner[n]] for n in grads}
+
+
 def loss_fn(name: str, model: nn.Module, inputs: dict[str, Any]):
     def run() -> Tensor:
         torch.manual_seed(0)
@@ -123,8 +137,12 @@ def loss_fn(name: str, model: nn.Module, inputs: dict[str, Any]):
 # -- tap against the boundary oracle ----------------------------------------------------------
 
 
-def _compare_call(problems: list[str], rec: gt.GradRecord, call: Call, scale: float) -> None:
+def _compare_call(problems: list[str], rec: gt.GradRecord, call: Call) -> None:
     where = f"{call.name or '(root)'} call {call.index}"
+    # Activation gradients are per element of a batch, parameter gradients sums over it: each
+    # kind gets its own noise level, from the same call.
+    act = NOISE * gradient_scale([*call.grad_outputs.values(), *call.grad_inputs.values()])
+    par = NOISE * gradient_scale(call.param_grads.values())
     side_channel = " [this call's inputs/params also reach the loss outside its outputs]"
     for slot, got, expected in (("grad_outputs", rec.grad_outputs, call.grad_outputs),
                                 ("grad_inputs", rec.grad_inputs, call.grad_inputs),
@@ -132,45 +150,39 @@ def _compare_call(problems: list[str], rec: gt.GradRecord, call: Call, scale: fl
         if set(got) != set(expected):
             problems.append(f"{where} {slot} keys {sorted(got)}, expected {sorted(expected)}")
         vjp = {"grad_inputs": call.vjp_inputs, "param_grads": call.vjp_params}.get(slot, {})
+        noise = par if slot == "param_grads" else act
         for key in expected:
             if key not in got:
                 continue
-            why = mismatch(got[key], expected[key], scale)
+            why = mismatch(got[key], expected[key], noise)
             if why is not None:
                 note = ""
-                if key in vjp and mismatch(vjp[key], expected[key], scale) is not None:
+                if key in vjp and mismatch(vjp[key], expected[key], noise) is not None:
                     note = side_channel
-                    if mismatch(got[key], vjp[key], scale) is None:
+                    if mismatch(got[key], vjp[key], noise) is None:
                         note += " (the record holds the VJP through the outputs only)"
                 problems.append(f"{where} {slot}[{key!r}]: {why}{note}")
 
 
 def _outermost_sums(model: nn.Module, records: dict[tuple[str, int], Any], oracle: OracleResult,
-                    plain: dict[str, Tensor], scale: float, problems: list[str]) -> None:
-    """Sum of the outermost (non-root) calls' param_grads against p.grad, by parameter object."""
+                    plain: dict[str, Tensor], noise: dict[str, float],
+                    problems: list[str]) -> None:
+    """The outermost (non-root) calls' param_grads, summed by parameter object, are p.grad
+    (no zoo model uses a parameter in its own forward outside every child call)."""
     modules = dict(model.named_modules())
-    names = {id(p): n for n, p in model.named_parameters()}
     got: dict[int, Tensor] = {}
-    expected: dict[int, Tensor] = {}
     for call in oracle.calls:
-        if not call.outermost:
-            continue
         rec = records.get((call.name, call.index))
-        for key, g in call.param_grads.items():
-            pid = id(modules[call.name].get_parameter(key))
+        if not call.outermost or rec is None:
+            continue
+        for key, g in rec.param_grads.items():
             if g is not None:
-                expected[pid] = expected.get(pid, 0) + g
-            r = None if rec is None else rec.param_grads.get(key)
-            if r is not None:
-                got[pid] = got.get(pid, 0) + r
-    for pid, name in names.items():
-        if name not in plain:
-            continue
-        # Parameters the root's own forward also uses directly are covered by the root record.
-        if mismatch(expected.get(pid), plain[name], scale) is not None:
-            continue
-        check(problems, f"sum of the outermost calls' param_grads for {name}", got.get(pid),
-              plain[name], scale)
+                pid = id(modules[call.name].get_parameter(key))
+                got[pid] = got.get(pid, 0) + g
+    for name, p in model.named_parameters():
+        if name in plain:
+            check(problems, f"sum of the outermost calls' param_grads for {name}", got.get(id(p)),
+                  plain[name], noise[name])
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -181,7 +193,7 @@ def test_tap_records_match_the_boundary_oracle(name):
     loss = run()
     loss.backward()
     plain = grads_of(model)
-    scale = gradient_scale(plain.values())
+    noise = noise_levels(plain)
     hooks = hooks_of(model)  # after a first forward: Hugging Face adds its own hooks lazily
 
     model.zero_grad(set_to_none=True)
@@ -198,7 +210,7 @@ def test_tap_records_match_the_boundary_oracle(name):
     problems: list[str] = []
     assert set(tapped) == set(plain), "the tap changed which parameters get a gradient"
     for n in plain:
-        check(problems, f"p.grad of {n} under the tap", tapped[n], plain[n], scale)
+        check(problems, f"p.grad of {n} under the tap", tapped[n], plain[n], noise[n])
 
     records: dict[tuple[str, int], gt.GradRecord] = {}
     for rec in t.records:
@@ -220,7 +232,7 @@ def test_tap_records_match_the_boundary_oracle(name):
             continue
         if rec.module_type != type(modules[call.name]).__name__:
             problems.append(f"{call.name} call {call.index}: module_type {rec.module_type!r}")
-        _compare_call(problems, rec, call, scale)
+        _compare_call(problems, rec, call)
     for key in records:
         if key not in calls:
             problems.append(f"{key[0] or '(root)'} call {key[1]}: a record for a call the "
@@ -230,8 +242,8 @@ def test_tap_records_match_the_boundary_oracle(name):
     if root is not None:
         for n in plain:
             check(problems, f"root param_grads[{n!r}] vs p.grad", root.param_grads.get(n),
-                  plain[n], scale)
-    _outermost_sums(model, records, oracle, plain, scale, problems)
+                  plain[n], noise[n])
+    _outermost_sums(model, records, oracle, plain, noise, problems)
     fail_with(problems, f"{name}: tap records vs the boundary oracle")
 
 
@@ -264,7 +276,7 @@ def test_per_sample_gradients_match_a_loop_over_samples(name):
     expected = {pn: torch.stack([g[i] if g[i] is not None else torch.zeros_like(p)
                                  for g in loop])
                 for i, (pn, p) in enumerate(params)}
-    scale = gradient_scale(expected.values())
+    noise = noise_levels(expected)
 
     with gt.per_sample(model, loss_reduction="mean", quantities=("grad", "norm")) as ps:
         loss = loss_fn(name, model, inputs)()
@@ -277,12 +289,12 @@ def test_per_sample_gradients_match_a_loop_over_samples(name):
         if pn not in ps.grad:
             problems.append(f"ps.grad has no entry for {pn}")
             continue
-        check(problems, f"ps.grad[{pn!r}]", ps.grad[pn], expected[pn], scale)
+        check(problems, f"ps.grad[{pn!r}]", ps.grad[pn], expected[pn], noise[pn])
         check(problems, f"p.grad of {pn} vs the mean of the per-sample loop", p.grad,
-              expected[pn].mean(0), scale)
+              expected[pn].mean(0), noise[pn])
     norm = torch.stack([torch.stack([e[i].double().norm() for e in expected.values()]).norm()
                         for i in range(zoo.N)]).float()
-    check(problems, "ps.norm", ps.norm, norm, scale, same_dtype=False)
+    check(problems, "ps.norm", ps.norm, norm, same_dtype=False)
     fail_with(problems, f"{name}: per-sample gradients vs a loop over samples")
 
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import transformers as hf
 from torch import Tensor, nn
 
+hf.logging.set_verbosity_error()  # no notes on configs, default losses or slow kernels
+
 N = 3  # samples per batch
 VOCAB = 64
 SEQ = 8
