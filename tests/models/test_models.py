@@ -6,9 +6,9 @@
   call returned), ``grad_inputs`` and ``param_grads`` (what reaches the arguments and the
   parameters through this call's uses of them: the VJP of the call with ``grad_outputs`` as
   cotangents, where nothing leaves the call other than through its outputs) under the same
-  keys; the root's ``param_grads`` equal ``p.grad``, and the outermost calls' sum to
-  ``p.grad`` for every parameter used only inside them; ``p.grad`` is the same with and
-  without the tap, and the tap leaves no hook behind. A record for a call no gradient
+  keys; the root's ``param_grads`` equal ``p.grad``, and so does the sum of the outermost
+  (non-root) calls'; ``p.grad`` is the same with and without the tap, and the tap leaves no
+  hook behind. A record for a call no gradient
   reached is accepted only if every slot holds ``None``.
 * ``per_sample``: ``ps.grad`` and ``ps.norm`` against ``torch.autograd.grad`` of each
   sample's own loss run alone (``model.eval()`` where BatchNorm would couple the samples;
