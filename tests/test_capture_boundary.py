@@ -375,3 +375,27 @@ def test_output_modified_in_place_inside_parent_keeps_first_value_gradient():
         y.mul_(2)
         y.sum().backward()
     torch.testing.assert_close(t.records[0].grad_outputs["output"], torch.full((2, 3), 2.0))
+
+
+def test_second_path_alias_refuses_in_place_and_parent_records_stay_right():
+    """The alias of a second output path cannot be modified in place (autograd says so), and a
+    parent that returns it again gets its own boundary gradient (SuperPoint's encoder inside
+    the keypoint model)."""
+    enc = Encoder()
+    x = torch.randn(2, 3, requires_grad=True)
+    with gt.tap(enc, select=""):
+        out = enc(x)
+        with pytest.raises(RuntimeError, match="inplace"):
+            out["hidden_states"][1].mul_(2)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = Encoder()
+
+        def forward(self, x):
+            out = self.enc(x)
+            return torch.tanh(out["last_hidden_state"]), out["hidden_states"][1]
+
+    m = Outer()
+    check_against_oracle(m, lambda: (lambda a, b: (a * 2 + b ** 2).sum())(*m(x)))

@@ -100,6 +100,21 @@ class _Boundary(torch.autograd.Function):
         return ctx.sink(g), None
 
 
+class _Alias(torch.autograd.Function):
+    """A view of ``t`` for a second output path (or a leaf returned as is), whose backward
+    hands the gradient to ``sink``. Made inside a Function, so autograd refuses in-place ops
+    on it instead of routing their gradient around this node."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.sink = sink
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return ctx.sink(g), None
+
+
 class _Region:
     """Where a view lies in its base's storage, to cut a gradient w.r.t. the base to the
     gradient w.r.t. the view."""
@@ -553,25 +568,30 @@ class Tap:
                     call.out_versions.append((path, weakref.ref(t), t._version))
 
         returned = None
-        if aliased:
-            # Aliases first, so they hang on the original node, not on a boundary node.
-            count = itertools.count()
-            output = map_tensors(output, lambda t: t.view_as(t) if next(count) in aliased else t)
-            returned = output
-            originals = outs
-            for i, (path, t) in enumerate(flatten_tensors(output, "output")):
-                if i in aliased:
-                    out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
-                    original = originals[i][1]
-                    key = call.input_ids.get(id(original))
-                    if key is not None:
-                        edges.setdefault(t.grad_fn, []).append((0, _INPUT, key))
-                    elif original.grad_fn is None:
-                        name = call.info.param_by_id.get(id(original))
-                        if name is not None:
-                            edges.setdefault(t.grad_fn, []).append((0, _PARAM, name))
-
         hooked = 0
+        if aliased:
+            # Aliases first, so they hang on the original node, not on a boundary node. An
+            # alias is a view made inside an autograd Function: its own node records the
+            # gradient and autograd refuses an in-place op on it (rather than send that
+            # gradient elsewhere); a leaf cannot be modified in place anyway.
+            count = itertools.count()
+            infos = iter([(path, t) for i, (path, t) in enumerate(outs) if i in aliased])
+
+            def alias(t: Tensor) -> Tensor:
+                if next(count) not in aliased:
+                    return t
+                path, original = next(infos)
+                key = call.input_ids.get(id(original))
+                credit: Any = key
+                if key is None and original.grad_fn is None:
+                    name = call.info.param_by_id.get(id(original))
+                    credit = None if name is None else (_PARAM, name)
+                return _Alias.apply(t, self._boundary_sink(call, path, credit))
+
+            output = map_tensors(output, alias)
+            returned = output
+            hooked += len(aliased)
+
         for path, t, bypassed in boundary:
             if self._boundary(call, path, t, bypassed):
                 hooked += 1
@@ -711,7 +731,10 @@ class Tap:
 
         return prehook
 
-    def _boundary_sink(self, call: _Call, path: str, bypassed: Any) -> Callable[[Tensor], Tensor]:
+    def _boundary_sink(self, call: _Call, path: str, credit: Any) -> Callable[[Tensor], Tensor]:
+        """The backward of a boundary node or alias of output ``path``. ``credit`` is what
+        the call also sent that gradient to, as the node now stands in its way: an input key,
+        ``(_PARAM, name)``, or a bypassed view node with the input key of each of its edges."""
         tap_ref = weakref.ref(self)
         name = call.info.name
 
@@ -726,10 +749,12 @@ class Tap:
                     _check_like(r, g, f"rewrite of grad_output {path!r} of {name!r}")
                     g = r
             call.grad_outputs[path] = _accumulate(call.grad_outputs[path], g)
-            if isinstance(bypassed, str):
-                call.grad_inputs[bypassed] = _accumulate(call.grad_inputs[bypassed], g)
-            elif bypassed is not None:
-                node, keys = bypassed
+            if isinstance(credit, str):
+                call.grad_inputs[credit] = _accumulate(call.grad_inputs[credit], g)
+            elif credit is not None and credit[0] == _PARAM:
+                call.param_grads[credit[1]] = _accumulate(call.param_grads[credit[1]], g)
+            elif credit is not None:
+                node, keys = credit
                 grads = node(g)
                 for key, gi in zip(keys, (grads,) if isinstance(grads, Tensor) else grads):
                     if key is not None:
