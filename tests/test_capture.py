@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradtap as gt
+from gradtap.capture import Listener
 from tests._models import ResNetLike, assert_no_hooks
 from tests._oracle import assert_close_or_none, oracle_calls
 
@@ -537,8 +538,12 @@ def test_bad_arguments():
 
 
 def test_rewrite_shape_mismatch_names_the_module():
+    class FirstRow(Listener):
+        def rewrite_grad_output(self, name, call, path, grad):
+            return grad[:1]
+
     net = nn.Sequential(nn.Linear(2, 3))
-    with gt.tap(net, rewrite_grad_output=lambda name, path, g: g[:1]):
+    with gt.tap(net, listener=FirstRow()):
         with pytest.raises(
             ValueError, match=r"rewrite of grad_output 'output' of '0' returned shape \(1, 3\)"
         ):
@@ -591,7 +596,7 @@ def test_parameters_swapped_in_by_functional_call():
 
 
 def test_on_forward_gets_the_call_index_of_the_records():
-    """on_forward sees each call with the index its record will carry, including calls that
+    """A listener's on_forward sees each call with the index its record will carry, including calls that
     return None (they count as calls but have no backward, hence no record)."""
 
     class Sometimes(nn.Module):
@@ -614,8 +619,12 @@ def test_on_forward_gets_the_call_index_of_the_records():
 
     net = Net()
     seen = []
-    with gt.tap(net, "block", on_forward=lambda name, call, mod, ins, outs: seen.append(
-            (name, call, mod is net.block, sorted(outs)))) as t:
+
+    class Calls(Listener):
+        def on_forward(self, name, call, module, inputs, outputs):
+            seen.append((name, call, module is net.block, sorted(outputs)))
+
+    with gt.tap(net, "block", listener=Calls()) as t:
         net(torch.randn(2, 3)).sum().backward()
     assert seen == [("block", 0, True, ["output"]), ("block", 1, True, []),
                     ("block", 2, True, ["output"])]

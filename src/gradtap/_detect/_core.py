@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
 from gradtap._types import Selector
-from gradtap.capture import Tap, at_end_of_backward, tap
+from gradtap.capture import Listener, Tap, at_end_of_backward, tap
 from gradtap._detect import _host
 from gradtap._detect._anomaly import (
     LOSS,
@@ -141,6 +141,19 @@ class _Found:
         self.anomaly, self.key, self.module, self.kept = anomaly, key, module, kept
 
 
+class _RecListener(Listener):
+    def __init__(self, det):
+        self.det = det
+
+    def on_record(self, record):
+        self.det._on_record(record)
+
+
+class _FwdListener(_RecListener):
+    def on_forward(self, *args):
+        self.det._on_forward(*args)
+
+
 class Detector:
     """Finds where gradients break; see :func:`detect`. Use as a context manager."""
 
@@ -233,11 +246,11 @@ class Detector:
             self._screen.on_backward_end = self._screened_backward
             return
         names = self._selected | ({""} if self._watch_root else set())
+        self._listener = (_FwdListener if self.nonfinite else _RecListener)(self)
         self._tap = tap(
             model, lambda name, module: name in names,
             keep=("inputs", "outputs") if self.dump_dir is not None else (),
-            store=False, on_record=self._on_record,
-            on_forward=self._on_forward if self.nonfinite else None)
+            store=False, listener=self._listener)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -512,7 +525,7 @@ class Detector:
         start = len(watch.anomalies)
         failure: BaseException | None = None
         try:
-            self._screen.replay(watch._tap, backward)  # type: ignore[arg-type]
+            self._screen.replay(watch._listener, backward)  # type: ignore[arg-type]
             if loss is not None:
                 watch.check_loss(loss)
             else:

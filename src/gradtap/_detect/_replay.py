@@ -389,7 +389,7 @@ class Screen:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def replay(self, watcher: Tap, backward: list[RootCall]) -> None:
+    def replay(self, watcher: Any, backward: list[RootCall]) -> None:
         """Run this step's calls of the model again, seen by ``watcher`` alone; for the calls in
         ``backward``, their backward too, from the gradients that reached their outputs.
 

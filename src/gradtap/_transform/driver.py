@@ -9,17 +9,17 @@ chosen moment. Nothing is stored on the model.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gradtap._transform.base import State, Transform, is_group_only
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap, at_end_of_backward, tap
+from gradtap.capture import HookSet, Listener, Tap, tap
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
-from gradtap._transform.base import State, Transform, is_group_only
 
 __all__ = ["TransformHandle", "transform"]
 
@@ -100,6 +100,39 @@ def _check_same_structure(expected: Any, got: Any, where: str) -> Any:
         parts = [_check_same_structure(e, g, f"{where}[{i}]") for i, (e, g) in enumerate(zip(expected, got, strict=True))]
         return type(expected)(parts)
     return got
+
+
+Rewrite = Callable[[str, int, str, Tensor], "Tensor | None"]
+
+
+class _ParamGrads(Listener):
+    """when="backward": each call's contribution to a parameter, through capture."""
+
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+
+    def rewrite_param_grad(self, name: str, call: int, param: str, grad: Tensor) -> Tensor | None:
+        return self._rewrite(name, call, param, grad)
+
+
+class _GradOutputs(Listener):
+    """on="grad_output": dL/d(output) as it enters each selected call's backward."""
+
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+
+    def rewrite_grad_output(self, name: str, call: int, path: str, grad: Tensor) -> Tensor | None:
+        return self._rewrite(name, call, path, grad)
+
+
+class _GradInputs(Listener):
+    """on="grad_input": what each selected call sends to its inputs."""
+
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+
+    def rewrite_grad_input(self, name: str, call: int, key: str, grad: Tensor) -> Tensor | None:
+        return self._rewrite(name, call, key, grad)
 
 
 class TransformHandle:
@@ -299,7 +332,17 @@ class TransformHandle:
 
                 self._hooks.post_accumulate_grad(entry.param, on_accumulated)
             if whole_rules:
-                self._install_end_of_backward(list(whole_rules.values()))
+                # Once per backward, after every gradient of that backward was accumulated, a
+                # group-only rule runs once over the accumulated .grad of all its parameters
+                # that have one (as at when="step"), if that backward reached one of them.
+                groups = list(whole_rules.values())
+
+                def after_backward(reached: list[int]) -> None:
+                    for i in reached:
+                        self._step_group(groups[i])
+
+                self._hooks.after_accumulation(
+                    [[e.param for e in entries] for entries in groups], after_backward)
         elif self.when == "step":
             groups: dict[str, list[_Entry]] = {}
             for entry in self._entries.values():
@@ -336,7 +379,7 @@ class TransformHandle:
             # A predicate, not globs: module names may hold glob characters (ModuleDict keys).
             owner_set = set(owners)
             self._tap = tap(model, select=lambda name, _m: name in owner_set, store=False,
-                            rewrite_param_grad=rewrite)
+                            listener=_ParamGrads(rewrite))
 
             owners_of: dict[int, list[str]] = {}
             for (mod_name, _), entry in direct.items():
@@ -359,57 +402,6 @@ class TransformHandle:
                     _entry.hits = 0
 
                 self._hooks.post_accumulate_grad(entry.param, check)
-
-    def _install_end_of_backward(self, groups: list[list[_Entry]]) -> None:
-        """when="accumulate" for group-only rules (``clip_global_norm``): once per backward,
-        after every gradient of that backward was accumulated, the rule runs once over the
-        accumulated ``.grad`` of all its parameters that have one (as at ``when="step"``).
-
-        A rule is run at the end of a backward only if that backward accumulated into at
-        least one of its parameters. A backward nested inside a node of another backward
-        (reentrant activation checkpointing) is not the end: the rule waits for the
-        enclosing backward, whose other gradients are still to come.
-        """
-        reached = [False] * len(groups)
-        queued: list[int | None] = [None]  # the graph task whose end is already awaited
-
-        def defer_to_enclosing(node: Any) -> None:
-            fired = [False]
-
-            def after_node(grad_inputs: Any, grad_outputs: Any) -> None:
-                # One-shot: with retain_graph the node may run again in a later backward.
-                if not fired[0] and self._hooks.enabled:
-                    fired[0] = True
-                    at_end_of_backward(end_of_backward)
-
-            node.register_hook(after_node)
-
-        def end_of_backward() -> None:
-            if not self._hooks.enabled:
-                return
-            node = torch._C._current_autograd_node()
-            if node is not None:  # a nested backward ends inside a node of another one
-                defer_to_enclosing(node)
-                return
-            queued[0] = None
-            todo = [entries for entries, hit in zip(groups, reached, strict=True) if hit]
-            reached[:] = [False] * len(groups)
-            for entries in todo:
-                self._step_group(entries)
-
-        for i, entries in enumerate(groups):
-            for entry in entries:
-
-                def on_accumulated(p: Tensor, _i: int = i) -> None:
-                    reached[_i] = True
-                    task = torch._C._current_graph_task_id()
-                    if task != queued[0]:
-                        # Once per backward (a stale id left by a backward that raised is
-                        # never reused: graph task ids only grow).
-                        queued[0] = task
-                        at_end_of_backward(end_of_backward)
-
-                self._hooks.post_accumulate_grad(entry.param, on_accumulated)
 
     def _step_group(self, entries: list[_Entry]) -> None:
         live = [e for e in entries if e.param is not None and e.param.grad is not None]
@@ -439,7 +431,7 @@ class TransformHandle:
     def _install_activation_hooks(self, model: nn.Module) -> None:
         rules = self._module_rules
 
-        def rewrite_slot(module_name: str, path: str, grad: Tensor) -> Tensor | None:
+        def rewrite_slot(module_name: str, call: int, path: str, grad: Tensor) -> Tensor | None:
             rule = rules.get(module_name)
             if rule is None:
                 return None
@@ -455,10 +447,8 @@ class TransformHandle:
         def select(name: str, module: nn.Module) -> bool:
             return name in rules
 
-        if self.on == "grad_output":
-            self._tap = tap(model, select=select, store=False, rewrite_grad_output=rewrite_slot)
-        else:
-            self._tap = tap(model, select=select, store=False, rewrite_grad_input=rewrite_slot)
+        listener = (_GradOutputs if self.on == "grad_output" else _GradInputs)(rewrite_slot)
+        self._tap = tap(model, select=select, store=False, listener=listener)
 
     # -- public -----------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from gradtap._registry import TypeTable
 from gradtap._types import Selector
-from gradtap.capture import tap
+from gradtap.capture import Listener, tap
 from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
 from gradtap.per_sample import rules as _rules  # noqa: F401  (registers every rule)
 from gradtap.per_sample.fallback import grad_fallback, quiet_vmap
@@ -156,8 +156,7 @@ class PerSample:
             select=lambda name, _module: name in owners,
             keep=("inputs",),
             store=False,
-            on_record=lambda rec: _call(me, "_on_record", rec),
-            on_forward=lambda *args: _call(me, "_on_forward", *args),
+            listener=_Forward(me),
         )
 
     # -- setup ------------------------------------------------------------------------------
@@ -419,6 +418,20 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
                 f"quantities={self.quantities}>")
+
+
+class _Forward(Listener):
+    """Hands the tap's calls and records on to a PerSample without keeping it alive."""
+
+    def __init__(self, ref: weakref.ref[PerSample]) -> None:
+        self._ref = ref
+
+    def on_forward(self, name: str, call: int, module: nn.Module, inputs: dict[str, Tensor],
+                   outputs: dict[str, Tensor]) -> None:
+        _call(self._ref, "_on_forward", name, call, module, inputs, outputs)
+
+    def on_record(self, record: GradRecord) -> None:
+        _call(self._ref, "_on_record", record)
 
 
 def _call(ref: weakref.ref[PerSample], method: str, *args: object) -> None:

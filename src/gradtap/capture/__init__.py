@@ -1,0 +1,46 @@
+"""The one door to autograd: every hook gradtap installs, and all consumers need from autograd.
+
+Consumers (Monitor, transform, per_sample, detect, explain) never touch autograd themselves;
+they use these names:
+
+* :func:`tap` / :class:`Tap` with a :class:`Listener`: per-call records, forward calls and
+  gradient rewrites (``taps.py``, with the per-call machinery in ``forward.py``,
+  ``backward.py``, ``state.py``, ``graph.py``, ``boundary.py``, ``naming.py``);
+* :class:`HookSet`: events not tied to a module call (a gradient accumulated, the end of a
+  backward that accumulated, an optimizer step, a call of a module, a tensor's gradient);
+* :mod:`~gradtap.capture.engine`: :func:`current_backward`, :func:`at_end_of_backward`,
+  :class:`OncePerBackward`;
+* :mod:`~gradtap.capture.replay`: :func:`replaying` a step for one listener (what others see
+  then is defined there), :func:`in_recomputation`;
+* :mod:`~gradtap.capture.saved`: :func:`graph_nodes` and :func:`saved_tensors`, to read
+  forward tensors back from the graph for a report;
+* :func:`argument_tensors`: a call's tensor arguments named as the records name them;
+  :func:`legacy_backward_grads` for ``explain(legacy=True)``.
+"""
+
+from __future__ import annotations
+
+from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
+from gradtap.capture.hookset import HookSet
+from gradtap.capture.legacy import legacy_backward_grads
+from gradtap.capture.listener import Listener
+from gradtap.capture.naming import argument_tensors
+from gradtap.capture.replay import in_recomputation, replaying
+from gradtap.capture.saved import graph_nodes, saved_tensors
+from gradtap.capture.taps import Tap, tap
+
+__all__ = [
+    "HookSet",
+    "Listener",
+    "OncePerBackward",
+    "Tap",
+    "argument_tensors",
+    "at_end_of_backward",
+    "current_backward",
+    "graph_nodes",
+    "in_recomputation",
+    "legacy_backward_grads",
+    "replaying",
+    "saved_tensors",
+    "tap",
+]

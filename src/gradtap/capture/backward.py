@@ -1,0 +1,155 @@
+"""The backward side of a call: node hooks that fill its slots and apply the listener's rewrites.
+
+Each hook holds its tap's :class:`~gradtap.capture.state.Recorder` by weak reference and does
+nothing unless it is live (the tap may be removed while its graph is alive, or a replay of
+another consumer may run).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from gradtap.capture.boundary import Region
+from gradtap.capture.graph import INPUT_REGION, PARAM
+from gradtap.capture.state import Call, Recorder, accumulate
+
+__all__ = ["base_prehook", "boundary_sink", "node_posthook", "output_prehook"]
+
+RecorderRef = weakref.ref[Recorder]
+
+
+def output_prehook(rec_ref: RecorderRef, call: Call, entries: list[tuple[int, str]]) -> Callable:
+    """A pre-hook on a node that made outputs of ``call``: sees (and may rewrite) dL/d(output)."""
+
+    def prehook(grad_outputs: tuple) -> tuple | None:
+        rec = rec_ref()
+        if rec is None or not rec.live():
+            return None
+        rec.touch(call)
+        new = list(grad_outputs)
+        for nr, path in entries:
+            g = grad_outputs[nr]
+            if g is not None:
+                r = rec.rewrite_out(call.info.name, call.index, path, g)  # type: ignore[misc]
+                if r is not None:
+                    check_like(r, g, f"rewrite of grad_output {path!r} of {call.info.name!r}")
+                    new[nr] = g = r
+            call.grad_outputs[path] = accumulate(call.grad_outputs[path], g)
+        rec.fired(call)
+        return tuple(new)
+
+    return prehook
+
+
+def base_prehook(rec_ref: RecorderRef, call: Call, entries: list[tuple[int, str, Region]]
+                 ) -> Callable:
+    """A pre-hook on the node of the base of view outputs: each view's region of its gradient."""
+
+    def prehook(grad_outputs: tuple) -> None:
+        rec = rec_ref()
+        if rec is None or not rec.live():
+            return
+        rec.touch(call)
+        for nr, path, region in entries:
+            g = grad_outputs[nr]
+            if g is not None:
+                call.grad_outputs[path] = accumulate(call.grad_outputs[path], region.of(g))
+        rec.fired(call)
+
+    return prehook
+
+
+def boundary_sink(rec_ref: RecorderRef, call: Call, path: str, credit: Any
+                  ) -> Callable[[Tensor], Tensor]:
+    """The backward of a boundary node or alias of output ``path``. ``credit`` is what the
+    call also sent that gradient to, as the node now stands in its way: an input key,
+    ``(PARAM, name)``, or a bypassed view node with the input key of each of its edges."""
+    name = call.info.name
+
+    def sink(g: Tensor) -> Tensor:
+        rec = rec_ref()
+        if rec is None or not rec.live():
+            return g
+        rec.touch(call)
+        if rec.rewrite_out is not None:
+            r = rec.rewrite_out(name, call.index, path, g)
+            if r is not None:
+                check_like(r, g, f"rewrite of grad_output {path!r} of {name!r}")
+                g = r
+        call.grad_outputs[path] = accumulate(call.grad_outputs[path], g)
+        if isinstance(credit, str):
+            call.grad_inputs[credit] = accumulate(call.grad_inputs[credit], g)
+        elif credit is not None and credit[0] == PARAM:
+            call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
+        elif credit is not None:
+            node, keys = credit
+            grads = node(g)
+            for key, gi in zip(keys, (grads,) if isinstance(grads, Tensor) else grads):
+                if key is not None:
+                    call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
+        rec.fired(call)
+        return g
+
+    return sink
+
+
+def node_posthook(rec_ref: RecorderRef, call: Call, out_entries: tuple, edge_entries: tuple
+                  ) -> Callable:
+    """A post-hook on a node of ``call``: the gradients it sends into the call's inputs and
+    parameters (rewritten if asked), and the outputs it made (``out_entries``)."""
+    name = call.info.name
+
+    def posthook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+        rec = rec_ref()
+        if rec is None or not rec.live():
+            return None
+        rec.touch(call)
+        for nr, path in out_entries:
+            call.grad_outputs[path] = accumulate(call.grad_outputs[path], grad_outputs[nr])
+        new = None
+        for i, kind, key in edge_entries:
+            g = grad_inputs[i]
+            if g is None:
+                continue
+            if kind == PARAM:
+                if rec.rewrite_param is not None:
+                    r = rec.rewrite_param(name, call.index, key, g)
+                    if r is not None:
+                        check_like(r, g, f"rewrite of parameter {key!r} of {name!r}")
+                        new = new or list(grad_inputs)
+                        new[i] = g = r
+                call.param_grads[key] = accumulate(call.param_grads[key], g)
+                continue
+            region = None
+            if kind == INPUT_REGION:  # the base of a view argument modified in place
+                key, region = key
+                part = region.of(g)
+            else:
+                part = g
+            if rec.rewrite_in is not None:
+                r = rec.rewrite_in(name, call.index, key, part)
+                if r is not None:
+                    check_like(r, part, f"rewrite of grad_input {key!r} of {name!r}")
+                    new = new or list(grad_inputs)
+                    new[i] = r if region is None else region.replaced(g, r)
+                    part = r
+            call.grad_inputs[key] = accumulate(call.grad_inputs[key], part)
+        rec.fired(call)
+        return tuple(new) if new is not None else None
+
+    return posthook
+
+
+def check_like(new: Any, old: Tensor, what: str) -> None:
+    """Raise unless a rewrite returned a tensor like the gradient it replaces."""
+    if not isinstance(new, Tensor):
+        raise TypeError(f"{what} returned {type(new).__name__}; expected a Tensor or None")
+    if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+        raise ValueError(
+            f"{what} returned shape {tuple(new.shape)}, {new.dtype}, {new.device}; expected "
+            f"shape {tuple(old.shape)}, {old.dtype}, {old.device} like the gradient it replaces"
+        )

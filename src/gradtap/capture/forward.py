@@ -1,0 +1,234 @@
+"""The forward side of a call: note its arguments' edges, then find how each output's gradient
+will be seen and hook the call's nodes.
+
+How a call is captured, without changing the autograd graph or any gradient:
+
+* The forward pre-hook notes, for every tensor argument that requires grad, the graph edge it
+  flows back along (its ``grad_fn`` and output number, or its gradient accumulator if it is a
+  leaf), and the autograd sequence number, so nodes created by this call can be told apart.
+* The forward hook walks back from the outputs through the nodes created during the call. A
+  node with an edge into an argument's edge, or into the ``AccumulateGrad`` of a parameter
+  under the module, gets one post-hook; so do the nodes that produced the outputs (or a
+  boundary node, see :mod:`gradtap.capture.boundary`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from gradtap.capture.backward import base_prehook, boundary_sink, node_posthook, output_prehook
+from gradtap.capture.boundary import Region, alias, mark_boundary
+from gradtap.capture.graph import PARAM, walk_call
+from gradtap.capture.naming import flat_arguments
+from gradtap.capture.state import Call, Recorder
+from gradtap.record import flatten_tensors, map_tensors
+
+__all__ = ["note_inputs", "note_outputs"]
+
+
+def note_inputs(rec: Recorder, call: Call, args: tuple, kwargs: dict) -> tuple | None:
+    """Note the call's arguments (keys, graph edges, kept copies); returns replaced
+    ``(args, kwargs)`` when a tensor passed twice needs an alias, else None."""
+    info = call.info
+    flat = flat_arguments(info, args, kwargs)
+    replaced = None
+    if len(flat) > 1 and len({id(t) for _, t in flat}) < len(flat):
+        # The same tensor passed twice: give each later occurrence its own alias node so
+        # each argument's gradient can be told apart.
+        seen: set[int] = set()
+
+        def alias_repeat(t: Tensor) -> Tensor:
+            if id(t) in seen and t.requires_grad:
+                return t.view_as(t)
+            seen.add(id(t))
+            return t
+
+        args, kwargs = map_tensors(args, alias_repeat), map_tensors(kwargs, alias_repeat)
+        replaced = (args, kwargs)
+        flat = flat_arguments(info, args, kwargs)
+    if rec.on_forward is not None:
+        call.fwd_inputs = dict(flat)
+    grad_inputs, input_edges = call.grad_inputs, call.input_edges
+    input_ids = call.input_ids
+    for path, t in flat:
+        grad_inputs[path] = None
+        if t.requires_grad:
+            input_ids.setdefault(id(t), path)
+            fn = t.grad_fn
+            if fn is not None:
+                input_edges[(fn, t.output_nr)] = path
+            else:
+                edge = get_gradient_edge(t)
+                input_edges[(edge.node, edge.output_nr)] = path
+    # A view argument modified in place inside the call sends its gradient to the base's
+    # edge (through a CopySlices node), not to the view's own edge: note the base's edge
+    # and where the view lies in it.
+    # (A view of a leaf that requires grad cannot be modified in place.)
+    for path, t in flat:
+        if t.requires_grad and t._is_view():
+            base = t._base
+            if base.grad_fn is not None:
+                edge = (base.grad_fn, base.output_nr)
+                if edge not in input_edges:
+                    call.input_bases[edge] = (path, Region(t, base))
+    if rec.keep_inputs:
+        for path, t in flat:
+            kept = t.detach().clone() if info.clone_inputs else t.detach()
+            call.inputs[path] = kept if rec.to is None else kept.to(rec.to)
+    return replaced
+
+
+def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> Any:
+    """Find how each output's boundary gradient will be seen, and hook the call's nodes.
+
+    ``grad_outputs[k]`` is what flows back into the call through output ``k`` from the uses
+    after the call returned. Each output gets the cheapest way that sees exactly that:
+
+    * made by the call, not a view, not used inside the call: its own node (a later
+      in-place op still sends its gradient there);
+    * a view made by the call of a base made by the call, neither used elsewhere inside
+      the call: the base's node, cut to the view's region (a later in-place op on the view
+      sends its gradient there through a CopySlices node);
+    * otherwise (used inside the call, returned as it came in, a view of a tensor made
+      before the call): a boundary node, an identity marked as an in-place op on the very
+      tensor returned (its version counter is put back, so saved tensors stay valid), so
+      uses after the call, and later in-place ops, go through it and uses inside do not;
+    * the same tensor under a second output path, or a leaf returned as is: a view alias
+      of its own (a leaf cannot be modified in place, so the alias is never bypassed).
+    """
+    start = call.start
+    outs = flatten_tensors(output, "output")
+    made: list[tuple[str, Tensor]] = []   # outputs made by this call
+    boundary: list[tuple[str, Tensor, Any]] = []  # (path, tensor, what it bypasses)
+    aliased: set[int] = set()             # indices into outs that get an alias
+    first: set[int] = set()
+    repeated: set[int] = set()           # ids of tensors under more than one path
+    watched: dict[tuple[Any, int], None] = {}
+    for i, (path, t) in enumerate(outs):
+        call.grad_outputs[path] = None
+        if rec.keep_outputs:
+            kept = t.detach()
+            call.outputs[path] = kept if rec.to is None else kept.to(rec.to)
+        if not t.requires_grad:
+            continue
+        if id(t) in first:
+            aliased.add(i)
+            repeated.add(id(t))
+            continue
+        first.add(id(t))
+        fn = t.grad_fn
+        if fn is None:
+            aliased.add(i)
+        elif fn._sequence_nr() < start:
+            # Returned as it came in: the boundary node's gradient is also what the call
+            # sends to that input.
+            boundary.append((path, t, call.input_ids.get(id(t))))
+        else:
+            made.append((path, t))
+            watched[(fn, t.output_nr)] = None
+            base = t._base if t._is_view() else None
+            if base is not None and base.grad_fn is not None:
+                watched[(base.grad_fn, base.output_nr)] = None
+
+    edges, users = walk_call(call, [t.grad_fn for _, t in made], watched)
+
+    out_nodes: dict[Any, list[tuple[int, str]]] = {}
+    base_nodes: dict[Any, list[tuple[int, str, Region]]] = {}
+    for path, t in made:
+        fn = t.grad_fn
+        internal = not t._is_view()
+        if not internal:
+            base = t._base
+            bfn = base.grad_fn
+            internal = bfn is not None and bfn._sequence_nr() >= start
+        if internal and (users.get((fn, t.output_nr)) or id(t) in repeated):
+            # Used inside the call, or its node also feeds the aliases of its other paths.
+            boundary.append((path, t, None))
+        elif not t._is_view():
+            out_nodes.setdefault(fn, []).append((t.output_nr, path))
+        elif internal:
+            if rec.rewrite_out is None and users.get((bfn, base.output_nr)) == [fn]:
+                base_nodes.setdefault(bfn, []).append((base.output_nr, path, Region(t, base)))
+            else:
+                boundary.append((path, t, None))
+        else:
+            # A view of a tensor made before the call (x[:, :3], a flatten): the boundary
+            # node goes on the view and the view's own node is bypassed, so its gradient
+            # is sent to the call's inputs by calling that node, when it leads to them
+            # directly; otherwise the view's own node is watched.
+            keys = [call.input_edges.get(e) for e in fn.next_functions]
+            if not users.get((fn, t.output_nr)) and id(t) not in repeated and all(
+                    k is not None or e[0] is None for k, e in zip(keys, fn.next_functions)):
+                boundary.append((path, t, (fn, keys)))
+            else:
+                out_nodes.setdefault(fn, []).append((t.output_nr, path))
+                call.out_versions.append((path, weakref.ref(t), t._version))
+
+    returned = None
+    hooked = 0
+    if aliased:
+        # Aliases first, so they hang on the original node, not on a boundary node. An
+        # alias is a view made inside an autograd Function: its own node records the
+        # gradient and autograd refuses an in-place op on it (rather than send that
+        # gradient elsewhere); a leaf cannot be modified in place anyway.
+        count = itertools.count()
+        infos = iter([(path, t) for i, (path, t) in enumerate(outs) if i in aliased])
+
+        def alias_of(t: Tensor) -> Tensor:
+            if next(count) not in aliased:
+                return t
+            path, original = next(infos)
+            key = call.input_ids.get(id(original))
+            credit: Any = key
+            if key is None and original.grad_fn is None:
+                name = call.info.param_by_id.get(id(original))
+                credit = None if name is None else (PARAM, name)
+            return alias(t, boundary_sink(weakref.ref(rec), call, path, credit))
+
+        output = map_tensors(output, alias_of)
+        returned = output
+        hooked += len(aliased)
+
+    for path, t, bypassed in boundary:
+        if mark_boundary(t, boundary_sink(weakref.ref(rec), call, path, bypassed)):
+            hooked += 1
+        elif t.grad_fn is not None and t.grad_fn._sequence_nr() >= start:
+            # Not markable (e.g. a view made by a multi-output op, which cannot be
+            # modified in place either): its own node.
+            out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
+            call.out_versions.append((path, weakref.ref(t), t._version))
+    hooked += _install_node_hooks(rec, call, out_nodes, base_nodes, edges)
+    call.expected = call.remaining = hooked
+    call.input_edges = {}  # the walk is done; do not keep graph nodes alive through it
+    call.input_bases = {}
+    call.input_ids = {}
+
+    if rec.on_forward is not None:
+        rec.on_forward(call.info.name, call.index, module, call.fwd_inputs, dict(outs))
+        call.fwd_inputs = {}
+    return returned
+
+
+def _install_node_hooks(rec: Recorder, call: Call, out_nodes: dict, base_nodes: dict,
+                        edges: dict) -> int:
+    """Hook the call's nodes; returns how many hooks its record waits for."""
+    rewrite_outputs = rec.rewrite_out is not None
+    count = 0
+    if rewrite_outputs:
+        for node, entries in out_nodes.items():
+            node.register_prehook(output_prehook(weakref.ref(rec), call, entries))
+            count += 1
+    for node, entries in base_nodes.items():
+        node.register_prehook(base_prehook(weakref.ref(rec), call, entries))
+        count += 1
+    for node in set(edges) | (set() if rewrite_outputs else set(out_nodes)):
+        out_entries = () if rewrite_outputs else tuple(out_nodes.get(node, ()))
+        node.register_hook(
+            node_posthook(weakref.ref(rec), call, out_entries, tuple(edges.get(node, ()))))
+        count += 1
+    return count

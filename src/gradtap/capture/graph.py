@@ -1,0 +1,67 @@
+"""The graph walk: the nodes one call created, and their edges into its inputs and parameters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from gradtap.capture.state import Call
+
+__all__ = ["INPUT", "INPUT_REGION", "PARAM", "walk_call"]
+
+#: Kinds of an edge found by :func:`walk_call`: into an argument, into a parameter, into the
+#: base of a view argument (the key then also says where the view lies in it).
+INPUT, PARAM, INPUT_REGION = 0, 1, 2
+AccumulateGrad = torch._C._functions.AccumulateGrad
+
+Edges = dict[Any, list[tuple[int, int, Any]]]
+Users = dict[tuple[Any, int], list[Any]]
+
+
+def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None]
+              ) -> tuple[Edges, Users]:
+    """Walk the nodes ``call`` created, back from its outputs' nodes ``starts``.
+
+    Returns the nodes with edges into the call's inputs, the bases of its view inputs or
+    its parameters (``{node: [(edge index, kind, key)]}``), and for each watched edge
+    the nodes of this call that use it (``{edge: [node]}``).
+    """
+    start, param_by_id = call.start, call.info.param_by_id
+    input_edges, input_bases = call.input_edges, call.input_bases
+    current: dict[int, str] | None = None
+    stack = [n for n in dict.fromkeys(starts)
+             if n._sequence_nr() >= start and type(n) is not AccumulateGrad]
+    seen = set(stack)
+    found: Edges = {}
+    users: Users = {}
+    while stack:
+        node = stack.pop()
+        for i, edge in enumerate(node.next_functions):
+            nxt = edge[0]
+            if nxt is None:
+                continue
+            if edge in watched:
+                users.setdefault(edge, []).append(node)
+            key = input_edges.get(edge)
+            if key is not None:
+                found.setdefault(node, []).append((i, INPUT, key))
+            elif edge in input_bases:
+                found.setdefault(node, []).append((i, INPUT_REGION, input_bases[edge]))
+            elif type(nxt) is AccumulateGrad:
+                name = param_by_id.get(id(nxt.variable))
+                if name is None:
+                    # Parameters swapped in for this call (torch.func.functional_call,
+                    # reparametrizations): look at what the module holds right now.
+                    if current is None:
+                        module = call.info.module_ref()
+                        current = {} if module is None else {
+                            id(p): n for n, p in module.named_parameters() if p is not None}
+                    name = current.get(id(nxt.variable))
+                if name is not None:
+                    found.setdefault(node, []).append((i, PARAM, name))
+            elif nxt not in seen and nxt._sequence_nr() >= start:
+                seen.add(nxt)
+                stack.append(nxt)
+    return found, users

@@ -1,0 +1,77 @@
+"""Names of a call's slots: arguments by the forward signature's names, parameters as named."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from gradtap.record import flatten_tensors
+
+__all__ = ["ModuleInfo", "argument_tensors", "flat_arguments"]
+
+
+class ModuleInfo:
+    """What a tap needs to know about one selected module, resolved once."""
+
+    __slots__ = ("name", "type_name", "param_names", "param_by_id", "positional", "varargs",
+                 "clone_inputs", "calls", "module_ref", "empty_param_grads")
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module_ref = weakref.ref(module)
+        self.type_name = type(module).__name__
+        named = list(module.named_parameters())
+        self.param_names = [n for n, _ in named]
+        self.param_by_id = {id(p): n for n, p in named}
+        self.empty_param_grads: dict[str, Tensor | None] = dict.fromkeys(self.param_names)
+        self.positional, self.varargs = _argument_names(module)
+        # An in-place module overwrites its input: a kept input must be copied before the call.
+        self.clone_inputs = bool(getattr(module, "inplace", False))
+        self.calls = 0
+
+    def arg_name(self, index: int) -> str:
+        if index < len(self.positional):
+            return self.positional[index]
+        return f"{self.varargs or 'args'}.{index - len(self.positional)}"
+
+
+def _argument_names(module: nn.Module) -> tuple[list[str], str | None]:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return [], "args"
+    positional, varargs = [], None
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            varargs = p.name
+    return positional, varargs
+
+
+def argument_tensors(module: nn.Module) -> Callable[[tuple, dict], list[tuple[str, Tensor]]]:
+    """A function of a call's ``(args, kwargs)`` to ``module`` giving ``(name, tensor)`` for
+    every tensor argument, named as the records name them (the forward signature's names).
+
+    Example:
+        >>> import torch
+        >>> names = argument_tensors(torch.nn.Bilinear(2, 2, 1))
+        >>> [k for k, _ in names((torch.ones(1, 2),), {"input2": torch.ones(1, 2)})]
+        ['input1', 'input2']
+    """
+    return functools.partial(flat_arguments, ModuleInfo("", module))
+
+
+def flat_arguments(info: ModuleInfo, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` for every tensor in a call's arguments, named as in the records."""
+    if not kwargs and all(isinstance(a, Tensor) for a in args):  # the common case, fast
+        return [(info.arg_name(i), a) for i, a in enumerate(args)]
+    flat = [(path, t) for i, a in enumerate(args)
+            for path, t in flatten_tensors(a, info.arg_name(i), under_prefix=True)]
+    flat += [(path, t) for k, v in kwargs.items()
+             for path, t in flatten_tensors(v, k, under_prefix=True)]
+    return flat
