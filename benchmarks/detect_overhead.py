@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _timing import markdown_table, paired_ratios  # noqa: E402
-from gradtap._detect._replay import Screen  # noqa: E402
+from gradtap._detect._screen import Screen  # noqa: E402
 
 
 def deep_narrow(depth: int = 40, width: int = 64, batch: int = 128,

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradtap as gt
-from gradtap.capture import Listener
+from gradtap.capture import Listener, graph_nodes, saved_tensors
+from gradtap.capture.saved import behind_unpack_hook
 from tests._models import ResNetLike, assert_no_hooks
 from tests._oracle import assert_close_or_none, oracle_calls
 
@@ -629,3 +630,42 @@ def test_on_forward_gets_the_call_index_of_the_records():
     assert seen == [("block", 0, True, ["output"]), ("block", 1, True, []),
                     ("block", 2, True, ["output"])]
     assert sorted(r.call for r in t.find("block")) == [0, 2]
+
+
+# -- saved tensors (read back for detect's reports) ----------------------------------------
+
+
+def test_saved_tensors_reads_no_saved_tensor_behind_an_unpack_hook():
+    runs = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return x.sin().exp()
+
+    torch.manual_seed(0)
+    x = torch.randn(5, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).tanh()
+    saved = saved_tensors(graph_nodes([y]))
+    assert runs == [1]  # nothing recomputed to read the checkpointed region
+    assert list(saved) == [y.data_ptr()]  # tanh's own saved result, read as before
+    assert torch.equal(saved[y.data_ptr()][0], y)
+    y.sum().backward()  # the backward still finds every saved tensor, unpacked once
+    assert runs == [1, 1]
+    oracle = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(oracle.sin().exp().tanh().sum(), oracle)
+    torch.testing.assert_close(x.grad, g)
+
+
+def test_a_saved_tensor_that_does_not_say_whether_it_has_a_hook_is_read_outside_backward_only():
+    class OldSavedTensor:  # as in a torch without SavedTensor.unpack_hook
+        pass
+
+    node = type("Node", (), {"_raw_saved_self": OldSavedTensor()})()
+    assert not behind_unpack_hook(node, "_saved_self")
+    assert not behind_unpack_hook(node, "_saved_dim")  # not a tensor
+    inside = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: inside.append(behind_unpack_hook(node, "_saved_self")))
+    y.sum().backward()
+    assert inside == [True]

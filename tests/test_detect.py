@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import doctest
 import importlib
+import inspect
 import json
 import math
 import pickle
@@ -24,11 +25,12 @@ from gradtap._detect import (
     AnomalyWarning,
     Detector,
     DumpError,
-    _core,
+    _detector,
     _host,
     format_dump,
     inspect_main,
 )
+from gradtap._detect._watch import WatchOptions
 from tests._models import assert_no_hooks
 
 # -- planted faults ---------------------------------------------------------------------------
@@ -134,13 +136,24 @@ def mode(request, monkeypatch):
     module, then a replay under the per-call watch), and with the per-call watch from the
     start: every record measured as it arrives (CPU records with large gradients), or every
     record kept and reduced once at the end of the backward (small CPU records, and all
-    records on accelerators)."""
-    monkeypatch.setattr(_core, "REPLAY_BY_DEFAULT", request.param in ("model", "modules"))
-    monkeypatch.setattr(_core, "DEFAULT_SCREEN",
-                        "modules" if request.param == "modules" else "model")
-    monkeypatch.setattr(_core, "EAGER_ON_CPU", request.param == "eager")
-    monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
-    return request.param
+    records on accelerators). ``gt.detect`` is wrapped to pass those choices on."""
+    param = request.param
+    options = WatchOptions(eager_on_cpu=param == "eager", eager_min_elements=0)
+    signature = inspect.signature(_detector.detect)
+
+    def detect(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if param in ("eager", "deferred") and a["replay"] is None:
+            a["replay"] = False  # the per-call watch where the test leaves the choice open
+        replays = a["replay"] if a["replay"] is not None else a["spike"] is None
+        if param == "modules" and a["screen"] is None and replays:
+            a["screen"] = "modules"
+        return Detector(**a, options=options)
+
+    monkeypatch.setattr(gt, "detect", detect)
+    return param
 
 
 def catch(fn) -> gt.Anomaly:
@@ -732,18 +745,19 @@ def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, 
     assert len(copies) == (2 if mode == "eager" else 4)
 
 
-def test_cpu_records_are_not_kept_unless_they_may_be_reported(monkeypatch):
-    monkeypatch.setattr(_core, "EAGER_MIN_ELEMENTS", 0)
+def test_cpu_records_are_not_kept_unless_they_may_be_reported():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), SqrtOfInput(), nn.Linear(4, 1))
     with torch.no_grad():
         net[0].weight.fill_(0.1)
         net[0].bias.fill_(0.5)
     kept = []
-    real = _core.Detector._check_backward
-    with gt.detect(net, action="record", replay=False) as det:
-        det._check_backward = lambda back: (kept.append(
-            [p.name for p in back.plans if p.rec is not None]), real(det, back))[1]
+    with Detector(net, action="record", replay=False,
+                  options=WatchOptions(eager_min_elements=0)) as det:
+        watch = det._watch
+        real = watch.check_backward
+        watch.check_backward = lambda back: (kept.append(
+            [p.name for p in back.plans if p.rec is not None]), real(back))[1]
         net(torch.rand(8, 4)).sum().backward()  # positive everywhere: healthy, nothing kept
         det.step()
         net(-10 * torch.ones(8, 4)).sum().backward()  # sqrt at 0: the Inf and what it reached
@@ -760,7 +774,7 @@ def _forbidden(name: str):
     return fail
 
 
-@pytest.mark.parametrize("name", ["gradtap._detect._core", "gradtap._detect._dump"])
+@pytest.mark.parametrize("name", ["gradtap._detect._detector", "gradtap._detect._dump"])
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
@@ -983,42 +997,6 @@ def test_a_nan_parameter_gradient_inside_a_checkpointed_block_is_found_at_its_mo
     assert (a.module_name, a.kind, a.where, a.slot) == ("blocks.1.fc", "nan", "param_grad",
                                                         "weight")
     assert a.nan == int(torch.isnan(ref.blocks[1].fc.weight.grad).sum())
-
-
-def test_the_report_reads_no_saved_tensor_behind_an_unpack_hook():
-    runs = []
-
-    def region(x: Tensor) -> Tensor:
-        runs.append(1)
-        return x.sin().exp()
-
-    torch.manual_seed(0)
-    x = torch.randn(5, requires_grad=True)
-    y = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).tanh()
-    saved = _core._saved_tensors([y.grad_fn])
-    assert runs == [1]  # nothing recomputed to read the checkpointed region
-    assert list(saved) == [y.data_ptr()]  # tanh's own saved result, read as before
-    assert torch.equal(saved[y.data_ptr()][0], y)
-    y.sum().backward()  # the backward still finds every saved tensor, unpacked once
-    assert runs == [1, 1]
-    oracle = x.detach().requires_grad_()
-    (g,) = torch.autograd.grad(oracle.sin().exp().tanh().sum(), oracle)
-    torch.testing.assert_close(x.grad, g)
-
-
-def test_a_saved_tensor_that_does_not_say_whether_it_has_a_hook_is_read_outside_backward_only():
-    class OldSavedTensor:  # as in a torch without SavedTensor.unpack_hook
-        pass
-
-    node = type("Node", (), {"_raw_saved_self": OldSavedTensor()})()
-    assert not _core._behind_unpack_hook(node, "_saved_self")
-    assert not _core._behind_unpack_hook(node, "_saved_dim")  # not a tensor
-    inside = []
-    x = torch.randn(3, requires_grad=True)
-    y = x * 2
-    y.register_hook(lambda g: inside.append(_core._behind_unpack_hook(node, "_saved_self")))
-    y.sum().backward()
-    assert inside == [True]
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")

@@ -1,29 +1,12 @@
-"""The default watch of ``gt.detect``: a light screen each step, a replay to localize.
+"""Replaying a step the screen found bad, for the per-call watch alone, to find its origin.
 
-A healthy step should cost little, so the screen keeps no records and walks no graph:
-
-* After each call of the model its floating outputs are screened, and a hook on each output
-  that requires grad screens the gradient that reaches it; a hook on each input that requires
-  grad screens the gradient that leaves the model. With ``screen="modules"`` every selected
-  call's outputs and their gradients are screened the same way, which also sees a NaN/Inf
-  that is masked before it reaches a parameter gradient (a ReLU after a sqrt at 0), at a cost
-  per call. A small tensor is kept by reference and reduced with the others in one batched
-  norm at the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
-* Around each call of the model the screen also keeps the arguments (references), the RNG
-  state and the autocast state: what a replay needs.
-* At the end of a backward that reached a screened output it reads, in one host copy, every
-  pending forward and gradient reduction plus a finiteness flag for every parameter gradient
-  (one fused pass over the small ones, the in-backward sums of the large ones).
-  ``det.check_loss(loss)`` adds the loss to that check. Without a backward (or when it
-  reached no screened tensor: a loss on an intermediate only), the check runs at
-  ``det.step()``, parameter gradients included.
-* Only when something is non-finite is the step run again, under the per-call watch of
-  :class:`~gradtap.detect.Detector` (``replay=False``), which finds the origin and writes the
-  full report (:meth:`Screen.replay`): this step's calls of the model in order, with the same
-  arguments, RNG and autocast state, and for the calls of that backward, the backward with the
-  very gradients that reached the outputs. Buffers (BatchNorm's running statistics) and RNG
-  state are restored afterwards, parameter ``.grad`` is not touched (the replay uses
-  ``torch.autograd.grad``), and other taps and hook sets stand aside (``capture.replaying``).
+:func:`replay` runs this step's calls of the model again, in order, with the same arguments,
+RNG and autocast state, and for the calls of that backward the backward too, with the very
+gradients that reached the model's outputs. Buffers (BatchNorm's running statistics) and RNG
+state are restored afterwards, parameter ``.grad`` is not touched (the replay uses
+``torch.autograd.grad``), and under :func:`gradtap.capture.replaying` no other consumer sees
+it: a replay is not a training step (a Monitor's statistics, a transform's state and a
+per-sample result do not move).
 
 What a replay cannot reproduce (a forward that depends on state other than buffers and RNG,
 non-deterministic kernels, a gradient entering the model other than through its outputs) is
@@ -32,398 +15,55 @@ still reported, from the screen's own evidence, with a note saying so.
 
 from __future__ import annotations
 
-import functools
-import math
-import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from gradtap.capture import HookSet, Tap, argument_tensors, at_end_of_backward, replaying
-from gradtap._detect import _host
-from gradtap._detect._anomaly import LOSS
+from gradtap._detect._screen import RootCall, Screen
+from gradtap.capture import Listener, replaying
 from gradtap.record import flatten_tensors, map_tensors
 
-__all__ = ["RootCall", "Screen", "Suspect"]
-
-#: Calls of the model kept (arguments, RNG state) per step for a replay; older calls of a
-#: step that runs more forwards than this without ``det.step()`` are not replayed.
-MAX_KEPT_CALLS = 64
-#: Tensors with at most this many elements are kept by reference until the check (one batched
-#: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
-SMALL = 1 << 16
-_graph_task_id = torch._C._current_graph_task_id
-_HALF = (torch.float16, torch.bfloat16)
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+__all__ = ["replay"]
 
 
-class RootCall:
-    """One call of the model in this step: what a replay needs, and what the screen checks."""
+def replay(screen: Screen, owner: Listener, backward: list[RootCall]) -> None:
+    """Run the step ``screen`` kept again, seen by ``owner`` alone; for the calls in
+    ``backward``, their backward too, from the gradients that reached their outputs.
 
-    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads",
-                 "reported")
-
-    def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
-        self.args: tuple | None = args
-        self.kwargs: dict = kwargs
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
-        self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                              for d in _AUTOCAST_DEVICES)
-        self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
-        self.reported = False  # an anomaly of its forward was reported: skip its backward
-
-
-class Suspect:
-    """What the screen found non-finite: ``where`` is ``"forward"`` (an output of ``module``),
-    ``"loss"``, ``"grad_output"`` (dL/d an output of ``module``), ``"grad_input"`` (dL/d an
-    input of the model) or ``"param_grad"`` (``key`` is the parameter's name); ``tensor`` when
-    still held."""
-
-    __slots__ = ("where", "module", "key", "tensor", "nan")
-
-    def __init__(self, where: str, module: str, key: str, tensor: Tensor | None,
-                 nan: bool | None = None) -> None:
-        self.where, self.module, self.key, self.tensor = where, module, key, tensor
-        self.nan = nan  # known from the reduction when the tensor is gone
-
-
-class _Pending:
-    """Screened tensors waiting for the next check: small ones by reference, large ones as
-    device-side ``(min, max)`` pairs."""
-
-    __slots__ = ("refs", "ref_info", "ranges", "range_info")
-
-    def __init__(self) -> None:
-        self.refs: list[Tensor] = []
-        self.ref_info: list[tuple[int, str, str, str]] = []  # (order, where, module, key)
-        self.ranges: list[Tensor] = []
-        self.range_info: list[tuple[int, str, str, str, weakref.ref[Tensor]]] = []
-
-    def add(self, where: str, module: str, key: str, t: Tensor) -> None:
-        order = len(self.ref_info) + len(self.range_info)
-        if t.numel() <= SMALL:
-            self.refs.append(t)
-            self.ref_info.append((order, where, module, key))
-        else:
-            lo, hi = torch.aminmax(t.detach())
-            self.ranges += (lo, hi)
-            self.range_info.append((order, where, module, key, weakref.ref(t)))
-
-
-class Screen:
-    """Light hooks on the model, and on ``modules`` (named) too; see the module docstring."""
-
-    def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
-        self.model = model
-        self.calls: list[RootCall] = []  # this step's calls of the model, in call order
-        self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
-        self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
-        self.backward_checked = False  # a backward of this step was checked
-        self._forward = _Pending()  # outputs since the last forward check
-        self._grads = _Pending()  # gradients of the running backward
-        self._open: list[RootCall | None] = []
-        self._backward: list[RootCall] = []
-        self._queued: int | None = None
-        self._leaf_hooks: list[RemovableHandle] = []  # on leaf tensors: removed after use
-        # Parameters whose .grad was non-finite at the last check, and whether it still was
-        # when the running backward began (device flags): a .grad that stays non-finite
-        # because nobody zeroed it is not a new anomaly.
-        self._bad_params: dict[int, Tensor] = {}
-        self._finite_at_start: dict[int, Tensor] = {}
-        # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
-        self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
-        # Parameters read once (cheaper per check). Small ones are grouped by device and dtype
-        # as their gradients will be (one fused finiteness pass a group at the check); a large
-        # one's gradient is summed as soon as it is accumulated, while it is still in cache.
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
-        self._large_params: list[tuple[str, Tensor]] = []
-        for name, p in model.named_parameters():
-            if p.is_floating_point() and p.numel():
-                if p.numel() >= _host.BIG and not self._maybe_sparse:
-                    self._large_params.append((name, p))
+    Parameter ``.grad`` is left alone, and buffers and RNG state are restored afterwards.
+    """
+    in_backward = {id(c) for c in backward}
+    with ExitStack() as stack:
+        stack.enter_context(replaying(owner))
+        stack.enter_context(_buffers_restored(screen.model))
+        stack.enter_context(torch.random.fork_rng(devices=screen.cuda))
+        for call in screen.calls:
+            if call.args is None:
+                continue
+            torch.set_rng_state(call.rng)
+            for d, state in zip(screen.cuda, call.cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            args, kwargs = _detached((call.args, call.kwargs))
+            with _autocast(call.autocast), torch.enable_grad():
+                output = screen.model(*args, **kwargs)
+            if id(call) not in in_backward or not call.grads:
+                continue
+            outs = dict(flatten_tensors(output, "output"))
+            pairs = [(outs[k], g) for k, g in call.grads.items()
+                     if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
+            if not pairs:
+                continue
+            leaves = [p for p in screen.model.parameters() if p.requires_grad]
+            leaves += [t for _, t in flatten_tensors((args, kwargs), "a") if t.requires_grad]
+            with torch.enable_grad():
+                if leaves:  # autograd.grad: nothing is accumulated into .grad
+                    torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                        allow_unused=True)
                 else:
-                    groups.setdefault((p.device, p.dtype), []).append((name, p))
-        self._param_groups = list(groups.values())
-        # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
-        self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
-        self._cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        self._arguments = argument_tensors(model)
-        self.hooks = HookSet()
-        for _, p in self._large_params:
-            if p.requires_grad:
-                self.hooks.post_accumulate_grad(p, self._sum_grad)
-        for name, module in modules:
-            if module is not model:
-                self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
-        self.hooks.module_calls(model, self._before, self._after)
-
-    # -- hooks (no host sync) -----------------------------------------------------------------
-
-    def _screen_call(self, name: str, output: Any) -> None:
-        # Forward calls inside a backward are checkpoint recomputations; without grad mode
-        # there is no backward to check (nor a record in the per-call watch).
-        if torch.is_grad_enabled() and _graph_task_id() == -1:
-            self._screen_outputs(name, output, None)
-
-    def _screen_outputs(self, name: str, output: Any, call: RootCall | None) -> None:
-        outs = flatten_tensors(output, "output")
-        for path, t in outs:
-            if _host.measurable(t):
-                self._forward.add("forward", name, path, t)  # detached if reported
-                if t.requires_grad:
-                    self._hook_gradient(t, "grad_output", name, path, call)
-
-    def _hook_gradient(self, t: Tensor, where: str, name: str, path: str,
-                       call: RootCall | None) -> None:
-        handle = self.hooks.gradient(t, functools.partial(self._on_grad, where, name, path, call))
-        if handle is not None:
-            self._leaf_hooks.append(handle)
-
-    def _before(self, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and _graph_task_id() == -1:
-            self._open.append(RootCall(args, kwargs, self._cuda))
-            for path, t in self._arguments(args, kwargs):
-                if t.requires_grad and _host.measurable(t):
-                    self._hook_gradient(t, "grad_input", "", path, None)
-        else:
-            self._open.append(None)
-
-    def _after(self, output: Any) -> None:
-        call = self._open.pop() if self._open else None
-        if call is None:
-            return
-        self._screen_outputs("", output, call)
-        self.calls.append(call)
-        if len(self.calls) > MAX_KEPT_CALLS:
-            old = self.calls[-MAX_KEPT_CALLS - 1]
-            old.args, old.kwargs = None, {}
-
-    def _on_grad(self, where: str, name: str, path: str, call: RootCall | None,
-                 g: Tensor) -> None:
-        task = _graph_task_id()
-        if task != self._queued:
-            self._queued = task
-            self._backward = []
-            at_end_of_backward(self._end_of_backward)
-            with torch.no_grad():
-                self._finite_at_start = {i: torch.isfinite(p.grad).all().to(torch.float32)
-                                         for i, p in self._bad_params.items()
-                                         if p.grad is not None}
-        if _host.measurable(g):
-            self._grads.add(where, name, path, g)
-        if call is not None:  # the model's own output: kept for a replay of this backward
-            if not any(c is call for c in self._backward):
-                self._backward.append(call)
-            old = call.grads.get(path)
-            call.grads[path] = g if old is None else old + g
-
-    def _sum_grad(self, p: Tensor) -> None:
-        g = p.grad
-        if g is None:
-            return
-        if g.requires_grad:  # create_graph=True: no graph for the check
-            g = g.detach()
-        total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
-        self._sums[id(p)] = (weakref.ref(p.grad), g._version, total)
-
-    def _end_of_backward(self) -> None:
-        backward, self._backward = self._backward, []
-        self._queued = None
-        try:
-            if self.on_backward_end is not None:
-                self.on_backward_end(backward)
-        finally:
-            self._grads = _Pending()
-            self._remove_leaf_hooks()
-            for call in backward:
-                call.grads = {}
-
-    def _remove_leaf_hooks(self) -> None:
-        for handle in self._leaf_hooks:
-            handle.remove()
-        self._leaf_hooks = []
-
-    # -- checks ---------------------------------------------------------------------------------
-
-    def unchecked(self) -> bool:
-        """Whether screened forward outputs wait for a check."""
-        return bool(self._forward.refs or self._forward.range_info)
-
-    def add_loss(self, loss: Tensor) -> None:
-        """Check ``loss`` with the forward outputs (``det.check_loss``)."""
-        if _host.measurable(loss):
-            self._forward.add("loss", LOSS, "loss", loss)
-
-    def check(self, backward: bool = False, *, stale: bool = False) -> list[Suspect]:
-        """Check, with one host copy, the forward outputs (and loss) screened since the last
-        check, and with ``backward`` the running backward's gradients and every parameter
-        gradient (``stale``: no backward was seen, so a ``.grad`` already known to be
-        non-finite is not new). Returns what is non-finite, forward first (empty for a healthy
-        step)."""
-        fwd, self._forward = self._forward, _Pending()
-        pending = [fwd]
-        params: list[tuple[str, Tensor]] = []
-        grad_groups: list[list[Tensor]] = []
-        summed: list[tuple[Tensor, Tensor]] = []
-        if backward:
-            self.backward_checked = True
-            pending.append(self._grads)
-            if not self.quiet_params:
-                params, grad_groups, summed = self._param_grads()
-        started = self._finite_at_start if backward else {}
-        self._finite_at_start = {}
-        refs = [t for part in pending for t in part.refs]
-        ranges = [t for part in pending for t in part.ranges]
-        if not refs and not ranges and not params:
-            return []
-        with torch.no_grad():
-            # The one host copy: the screened tensors' norms, then one flag per group of
-            # parameter gradients, the sums of those summed in backward, ranges, start flags.
-            flags = _host.nonfinite_flags(grad_groups)
-            values = _host.norms(refs, extra=[*flags, *(s for _, s in summed), *ranges,
-                                              *started.values()])
-        first_param = len(refs)
-        flagged = values[first_param:first_param + len(flags)]
-        values = np.delete(values, np.s_[first_param:first_param + len(flags)])
-        if not flagged.any() and math.isfinite(values.sum()):  # a healthy step
-            if params:
-                self._bad_params.clear()
-            return []
-        # Rare: which gradients of a flagged group are non-finite, one check each.
-        grouped = [0.0 if not flag or bool(torch.isfinite(g).all()) else math.inf
-                   for flag, group in zip(flagged, (g for g in grad_groups if g), strict=True)
-                   for g in group]
-        values = np.insert(values, first_param, grouped)
-        n_refs = first_param + len(params)
-        was_finite = dict(zip(started, values[n_refs + len(ranges):]))
-        bad = np.flatnonzero(~np.isfinite(values[:n_refs])).tolist()
-        grads = [g for group in grad_groups for g in group] + [g for g, _ in summed]
-        refs += grads
-        if self._bad_params and grads:  # a .grad known to be non-finite may be finite again
-            now_bad = {id(params[i - first_param][1]) for i in bad if i >= first_param}
-            for k in [k for k in self._bad_params if k not in now_bad]:
-                del self._bad_params[k]
-        found: list[tuple[int, int, Suspect]] = []  # (part, order, suspect)
-        info = [(n, x) for n, part in enumerate(pending) for x in part.ref_info] if bad else []
-        for i in bad:
-            t = refs[i]
-            if bool(torch.isfinite(t).all()):
-                continue  # the norm or sum overflowed on finite values
-            if i < first_param:
-                n, (order, where, module, key) = info[i]
-                found.append((n, order, Suspect(where, module, key, t.detach())))
-                continue
-            name, p = params[i - first_param]
-            known = id(p) in self._bad_params
-            self._bad_params[id(p)] = p
-            if (stale and known) or was_finite.get(id(p), 1.0) == 0.0:
-                continue  # non-finite before this backward: not new
-            found.append((len(pending), i - first_param,
-                          Suspect("param_grad", "", name, t.detach())))
-        lohi = values[n_refs:]
-        j = 0
-        for n, part in enumerate(pending):
-            for order, where, module, key, ref in part.range_info:
-                lo, hi = lohi[j], lohi[j + 1]
-                if not (math.isfinite(lo) and math.isfinite(hi)):
-                    t = ref()
-                    found.append((n, order, Suspect(where, module, key,
-                                                    None if t is None else t.detach(),
-                                                    nan=bool(np.isnan(lo) or np.isnan(hi)))))
-                j += 2
-        # In the order they were screened: calls as they finished, gradients as they arrived.
-        return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
-
-    def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]],
-                                    list[tuple[Tensor, Tensor]]]:
-        """The parameters with a gradient to check, in the order of their values: those whose
-        gradients are to be reduced, by device and dtype, then those whose gradient was summed
-        in backward and is unchanged since, as ``(grad, sum)``."""
-        params, groups = [], []
-        for group in self._param_groups:
-            grads = [p.grad for _, p in group]
-            if not self._maybe_sparse and not any(g is None for g in grads):
-                params += group
-                groups.append(grads)
-                continue
-            keep = [i for i, g in enumerate(grads) if g is not None and _host.measurable(g)]
-            params += [group[i] for i in keep]
-            groups.append([grads[i] for i in keep])
-        summed_params, summed, stale = [], [], {}
-        for name, p in self._large_params:
-            g = p.grad
-            if g is None or not _host.measurable(g):
-                continue
-            entry = self._sums.get(id(p))
-            if entry is not None and entry[0]() is g and entry[1] == g._version:
-                summed_params.append((name, p))
-                summed.append((g, entry[2]))
-            else:  # changed since its backward (or no hook saw it): reduced at the check
-                stale.setdefault((g.device, g.dtype), []).append((name, p, g))
-        for items in stale.values():
-            params += [(name, p) for name, p, _ in items]
-            groups.append([g for _, _, g in items])
-        return params + summed_params, groups, summed
-
-    def new_step(self) -> None:
-        """Forget this step's calls (``det.step()``)."""
-        self._sums = {}
-        self.calls = []
-        self.quiet_params = False
-        self.backward_checked = False
-        self._remove_leaf_hooks()
-
-    def remove(self) -> None:
-        self.hooks.remove()
-        self._remove_leaf_hooks()
-        self.calls = []
-        self._open = []
-        self._forward = _Pending()
-        self._grads = _Pending()
-
-    # -- replay ---------------------------------------------------------------------------------
-
-    def replay(self, watcher: Any, backward: list[RootCall]) -> None:
-        """Run this step's calls of the model again, seen by ``watcher`` alone; for the calls in
-        ``backward``, their backward too, from the gradients that reached their outputs.
-
-        Parameter ``.grad`` is left alone, and buffers and RNG state are restored afterwards.
-        """
-        in_backward = {id(c) for c in backward}
-        with ExitStack() as stack:
-            stack.enter_context(replaying(watcher))
-            stack.enter_context(_buffers_restored(self.model))
-            stack.enter_context(torch.random.fork_rng(devices=self._cuda))
-            for call in self.calls:
-                if call.args is None:
-                    continue
-                torch.set_rng_state(call.rng)
-                for d, state in zip(self._cuda, call.cuda_rng):
-                    torch.cuda.set_rng_state(state, d)
-                args, kwargs = _detached((call.args, call.kwargs))
-                with _autocast(call.autocast), torch.enable_grad():
-                    output = self.model(*args, **kwargs)
-                if id(call) not in in_backward or not call.grads:
-                    continue
-                outs = dict(flatten_tensors(output, "output"))
-                pairs = [(outs[k], g) for k, g in call.grads.items()
-                         if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
-                if not pairs:
-                    continue
-                leaves = [p for p in self.model.parameters() if p.requires_grad]
-                leaves += [t for _, t in flatten_tensors((args, kwargs), "a") if t.requires_grad]
-                with torch.enable_grad():
-                    if leaves:  # autograd.grad: nothing is accumulated into .grad
-                        torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
-                                            allow_unused=True)
-                    else:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _detached(obj: Any) -> Any:

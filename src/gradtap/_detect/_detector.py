@@ -1,0 +1,427 @@
+"""The detector: a screen or a per-call watch each step, a replay to localize, anomalies emitted.
+
+``gt.detect(model)`` screens every step cheaply (:class:`~gradtap._detect._screen.Screen`)
+and replays a step found non-finite (:func:`~gradtap._detect._replay.replay`) under a fresh
+per-call watch (:class:`~gradtap._detect._watch.CallWatch`), which names the origin.
+``replay=False`` and ``spike=`` use the per-call watch every step instead, with a
+:class:`~gradtap._detect._spikes.SpikeTracker` for spikes. The reports themselves are built
+by :mod:`gradtap._detect._messages`. The :class:`Detector` holds only what ties these
+together: the step number, the anomalies and how they are emitted (raised, warned, dumped).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Literal
+
+from torch import Tensor, nn
+
+from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
+from gradtap._detect._dump import write_dump
+from gradtap._detect._messages import Found, unreproduced_anomaly
+from gradtap._detect._replay import replay as replay_step
+from gradtap._detect._screen import RootCall, Screen, Suspect
+from gradtap._detect._spikes import SpikeTracker
+from gradtap._detect._watch import CallWatch, WatchOptions
+from gradtap._types import Selector
+from gradtap.errors import GradientAnomaly
+from gradtap.select import select_modules
+
+__all__ = ["Detector", "detect"]
+
+ActionLiteral = Literal["raise", "warn", "record"]
+_ACTIONS = ("raise", "warn", "record")
+ScreenLiteral = Literal["model", "modules"]
+_SCREENS = ("model", "modules")
+
+
+class Detector:
+    """Finds where gradients break; see :func:`detect`. Use as a context manager.
+
+    ``options`` tunes how the per-call watch measures records (:class:`WatchOptions`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        select: Selector = "*",
+        nonfinite: bool = True,
+        spike: float | None = None,
+        warmup: int = 10,
+        action: ActionLiteral = "raise",
+        dump_dir: str | os.PathLike[str] | None = None,
+        *,
+        spike_beta: float = 0.9,
+        replay: bool | None = None,
+        screen: ScreenLiteral | None = None,
+        options: WatchOptions | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
+                             f"got {action!r}")
+        if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float))
+                                  or not spike > 1.0 or math.isinf(spike)):
+            raise ValueError("spike must be None or a finite factor > 1 over the EWMA of a norm "
+                             f"(e.g. 10.0); got {spike!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (steps before spikes are checked); "
+                             f"got {warmup!r}")
+        if not (isinstance(spike_beta, (int, float)) and 0.0 <= spike_beta < 1.0):
+            raise ValueError(f"spike_beta must be a factor with 0 <= beta < 1; got {spike_beta!r}")
+        if not nonfinite and spike is None:
+            raise ValueError("nothing to detect: nonfinite=False and spike=None; pass spike=10.0 "
+                             "or leave nonfinite=True")
+        if replay is not None and not isinstance(replay, bool):
+            raise ValueError(f"replay must be None, True or False; got {replay!r}")
+        if replay and spike is not None:
+            raise ValueError("replay=True cannot watch spikes: a spike needs every module's norms "
+                             "at every step; leave replay=None (per-call watch) or set spike=None")
+        replays = replay if replay is not None else spike is None
+        if screen is not None and screen not in _SCREENS:
+            raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
+        if screen is not None and not replays:
+            raise ValueError("screen= chooses what the replay watch screens each step; the "
+                             "per-call watch (replay=False, or spike=) checks every selected call "
+                             "anyway: leave screen=None")
+        self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
+        if self.dump_dir is not None:
+            if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
+                raise ValueError(f"dump_dir={self.dump_dir!r} exists and is not a directory")
+            os.makedirs(self.dump_dir, exist_ok=True)
+        self.nonfinite = bool(nonfinite)
+        self.spike = None if spike is None else float(spike)
+        self.warmup = warmup
+        self.spike_beta = float(spike_beta)
+        self.action: ActionLiteral = action
+        self.anomalies: list[Anomaly] = []
+
+        selected = select_modules(model, select)  # raises SelectionError naming close names
+        self._model, self._select = model, select
+        self._options = options or WatchOptions()
+        self._selected = {name for name, _ in selected}
+        self._modules: dict[str, nn.Module] = dict(model.named_modules())
+        self._step = 0
+        self._skip = False
+        self._found: list[Found] = []  # made from the screen's evidence, not yet emitted
+        self._ready: list[Found] = []  # found by a replay, not yet emitted
+        self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
+        self._screen: Screen | None = None
+        self._watch: CallWatch | None = None
+        if replays:
+            self._screen = Screen(model, selected if screen == "modules" else [])
+            self._screen.on_backward_end = self._screened_backward
+            return
+        # The model itself is always watched: its grad_outputs are dL/d(model output), the
+        # gradient coming from the loss, and it catches what unselected code does.
+        self._watch = CallWatch(model, selected, nonfinite=self.nonfinite,
+                                keep_forward=self.dump_dir is not None,
+                                spikes=self._spikes if self.spike is not None else None,
+                                options=self._options)
+        self._watch.on_backward_end = self._emit
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def steps_done(self) -> int:
+        """Number of :meth:`step` calls so far (the current step's number)."""
+        return self._step
+
+    def check_loss(self, loss: Tensor) -> Tensor:
+        """Have ``loss`` checked with the forward; returns ``loss``.
+
+        A non-finite loss is reported as module ``"<loss>"`` (``where="forward"``) when the
+        model's forward was finite. Without it, a non-finite loss is only seen if its gradient
+        is non-finite too (``where="grad_output"``).
+
+        The default (replay) watch adds the loss to the step's one check at the end of the
+        backward (or at :meth:`step`, :meth:`should_skip`, :meth:`check` when no backward
+        comes): no host sync here. The per-call watch (``replay=False``) checks the forward
+        and the loss now, before the backward: the forward's one host sync, while every
+        forward tensor saved for backward is still there.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor.
+            GradientAnomaly: with ``action="raise"``, if the forward or the loss is bad.
+        """
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"check_loss() needs a Tensor; got {type(loss).__name__}")
+        if self._screen is not None:
+            self._screen.add_loss(loss)
+        elif self.nonfinite:
+            self._watch.add_loss(loss)  # type: ignore[union-attr]
+            self._check_forward()
+            self._emit()
+        return loss
+
+    def should_skip(self) -> bool:
+        """True when an anomaly was found since the last :meth:`step`: skip the optimizer step."""
+        if self._pending_forward():
+            self._check_forward()
+            self._emit()
+        return self._skip
+
+    def check(self) -> list[Anomaly]:
+        """Check now what ran since the last check (e.g. a forward with no backward yet).
+
+        Returns:
+            The anomalies found by this call (also appended to :attr:`anomalies`).
+
+        Raises:
+            GradientAnomaly: with ``action="raise"``, for the first one.
+        """
+        before = len(self.anomalies)
+        self._check_forward()
+        self._emit()
+        return self.anomalies[before:]
+
+    def _pending_forward(self) -> bool:
+        if self._screen is not None:
+            return self._screen.unchecked()
+        return self._watch is not None and self._watch.pending_forward()
+
+    def step(self) -> None:
+        """Close the current step: check what is pending, update the spike EWMA, advance.
+
+        Call it once per training step, after ``backward()``. Steps count from 0.
+
+        Raises:
+            GradientAnomaly: with ``action="raise"``, if a forward without backward was bad
+                (the step still advances).
+        """
+        try:
+            self._check_forward()
+            screen = self._screen
+            if screen is not None and screen.calls and not screen.backward_checked:
+                # No backward reached a screened tensor (none ran, or only a loss on an
+                # intermediate): the parameter gradients are still checked once.
+                suspects = screen.check(backward=True, stale=True)
+                if suspects:
+                    self._localize(suspects, [])
+            self._emit()
+        finally:
+            self._spikes.close_step()
+            self._skip = False
+            self._step += 1
+            if self._watch is not None:
+                self._watch.new_step(self._step)
+            if self._screen is not None:
+                self._screen.new_step()
+
+    def ewma(self, name: str, kind: Literal["param_grad", "grad_output"] = "param_grad"
+             ) -> tuple[float, float]:
+        """``(mean, var)`` of the spike EWMA of module ``name``'s ``kind`` norm.
+
+        Raises:
+            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed).
+        """
+        return self._spikes.ewma(name, kind)
+
+    def remove(self) -> None:
+        """Remove every hook; the model is left as it was. Safe to call twice."""
+        if self._watch is not None:
+            self._watch.remove()
+        if self._screen is not None:
+            self._screen.remove()
+
+    def __enter__(self) -> Detector:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self._check_forward()
+                self._emit()
+        finally:
+            self.remove()
+
+    def __repr__(self) -> str:
+        return (f"<Detector step={self._step} modules={len(self._selected)} "
+                f"anomalies={len(self.anomalies)} action={self.action!r}>")
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check_forward(self) -> None:
+        if self._watch is not None:
+            self._watch.check_forward()
+        elif self._screen is not None and self._screen.unchecked():
+            suspects = self._screen.check()
+            if suspects:
+                self._localize(suspects, [])
+
+    def _screened_backward(self, backward: list[RootCall]) -> None:
+        """End of a backward that reached a screened output: one check, a replay if bad."""
+        assert self._screen is not None
+        if not any(c.reported for c in backward):  # else: consequences of a reported forward
+            suspects = self._screen.check(backward=True)
+            if suspects:
+                self._localize(suspects, backward)
+        self._emit()
+
+    def _localize(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
+        """Replay the step under a fresh per-call watch to find where the suspects came from.
+
+        A bad loss is checked after a replay of the forward alone: its gradient would only
+        repeat it."""
+        assert self._screen is not None
+        loss = next((s.tensor for s in suspects if s.where == "loss"), None)
+        if loss is not None:
+            backward = []
+        watch = CallWatch(self._model, select_modules(self._model, self._select),
+                          keep_forward=self.dump_dir is not None, options=self._options,
+                          step=self._step)
+        failure: BaseException | None = None
+        try:
+            replay_step(self._screen, watch, backward)
+            if loss is not None:
+                watch.add_loss(loss)
+            watch.check_forward()
+        except Exception as err:  # noqa: BLE001 - reported with the screen's evidence below
+            failure = err
+        finally:
+            watch.remove()
+        found = watch.found
+        first = suspects[0]
+        if found and first.where == "forward" and (found[0].anomaly.where != "forward"
+                                                   or found[0].anomaly.module_name == LOSS):
+            # The screen saw a module's output go bad, the replay did not (state changed
+            # since the call): the screen's evidence is the better report.
+            found = []
+        # One event per step: later checks of this step would see its consequences.
+        self._screen.quiet_params = True
+        for call in self._screen.calls:
+            call.reported = True
+        if found:
+            self._ready.extend(found)
+        else:
+            self._found.append(unreproduced_anomaly(self._step, first, failure, self._modules,
+                                                    self._selected))
+
+    # -- emitting -----------------------------------------------------------------------------
+
+    def _emit(self) -> None:
+        found = self._ready + (self._watch.found if self._watch is not None else []) + self._found
+        self._ready, self._found = [], []
+        if self._watch is not None:
+            self._watch.found = []
+        new = []
+        for f in found:
+            anomaly = f.anomaly
+            if self.dump_dir is not None:
+                anomaly = write_dump(self.dump_dir, anomaly, len(self.anomalies), f.module, f.kept)
+            self.anomalies.append(anomaly)
+            new.append(anomaly)
+        if not new:
+            return
+        self._skip = True
+        if self.action == "raise":
+            raise GradientAnomaly(new[0].message, new[0])
+        if self.action == "warn":
+            for a in new:
+                warnings.warn(a.message, AnomalyWarning, stacklevel=3)
+
+
+def detect(
+    model: nn.Module,
+    select: Selector = "*",
+    nonfinite: bool = True,
+    spike: float | None = None,
+    warmup: int = 10,
+    action: ActionLiteral = "raise",
+    dump_dir: str | os.PathLike[str] | None = None,
+    *,
+    spike_beta: float = 0.9,
+    replay: bool | None = None,
+    screen: ScreenLiteral | None = None,
+) -> Detector:
+    """Find where gradients break: the module where a NaN/Inf first appears, and spikes.
+
+    Lasts across steps: call ``det.step()`` once per training step, after ``backward()``.
+    What is reported (one anomaly per event, at its origin, the innermost module):
+
+    * forward: the first selected call, in the order calls finish, whose output holds
+      NaN/Inf while all its floating inputs and parameters were finite (``where="forward"``,
+      slot = output key). A parameter that is already non-finite is reported as the slot; a
+      non-finite value arriving from outside the selected modules at the first module that
+      received it (slot = input key).
+    * the loss, as module ``"<loss>"``: with ``det.check_loss(loss)`` when its value is
+      non-finite (``where="forward"``), and always when dL/d(model output) is non-finite
+      (``where="grad_output"``).
+    * backward (only if the forward and loss were finite): the first module, in backward
+      order, whose ``grad_inputs`` or ``param_grads`` hold NaN/Inf while its ``grad_outputs``
+      were finite.
+    * spikes (``spike=``): a module's direct parameter-gradient norm or grad-output norm,
+      over all its calls in the step, above ``spike`` times its EWMA (factor ``spike_beta``,
+      the usual EWMA) once that EWMA has ``warmup`` steps. Spiking, NaN and Inf values
+      do not update the EWMA; after a spike, later modules in the same backward are not
+      reported for it.
+
+    Two ways to watch (``replay=``):
+
+    * **replay** (the default when ``spike`` is None): a light screen, then a replay. Each
+      step the screen reduces on the device the model's outputs, the loss given to
+      ``check_loss``, the gradients reaching the model's outputs and leaving its inputs, and
+      every parameter gradient, and reads them in one host copy at the end of the backward;
+      nothing else is hooked and no record is made. ``screen="modules"`` also screens every
+      selected call's outputs and the gradients reaching them (small tensors by reference, all
+      at once): slower, but it also sees a NaN/Inf that vanishes before it reaches any
+      parameter gradient, such as the Inf gradient of a sqrt at 0 that a ReLU before it masks
+      (harmless to that step's update, so the default screen lets it pass). Only when
+      something is non-finite is the step's forward and backward run again, with the same
+      arguments, RNG and autocast state and the very gradients that reached the model's
+      outputs, under the per-call watch below, which names the origin. The replay restores
+      buffers and RNG state, leaves ``.grad`` alone, and other taps do not see it. It cannot
+      replay a forward that depends on other state or a gradient entering the model other
+      than through its outputs: such an anomaly is still reported, from what the screen saw,
+      saying so.
+    * **per-call watch** (``replay=False``, and always with ``spike``): every selected call
+      is captured as it runs (device-side min/max of forward tensors, norms of every
+      gradient of its record), with two host syncs per step: one for the forward (at
+      ``det.check_loss(loss)``, else when the backward starts) and one when the backward
+      ends. Slower, but the model never runs twice.
+
+    Forward tensors are kept only with ``dump_dir``.
+
+    Args:
+        model: the model to watch (the model itself is always watched too, to see the loss's
+            gradient and what unselected code does).
+        select: which modules may be reported (glob, list, class, predicate).
+        nonfinite: look for NaN/Inf.
+        spike: factor over the EWMA that makes a spike (e.g. ``10.0``); ``None``: off.
+        warmup: steps of EWMA before a norm is checked for spikes.
+        action: ``"raise"`` :class:`~gradtap.GradientAnomaly` (from ``backward()`` or
+            ``step()``), ``"warn"`` (:class:`AnomalyWarning`) or ``"record"`` silently.
+        dump_dir: write one dump file per anomaly there (see :func:`load_dump`).
+        spike_beta: EWMA factor for spikes.
+        replay: ``None``: replay when ``spike`` is None, else the per-call watch; ``False``:
+            the per-call watch (for a forward with side effects that must not run twice);
+            ``True``: replay (not with ``spike``).
+        screen: what the replay watch screens each step: ``"model"`` (the default) or
+            ``"modules"`` (every selected call too); only with the replay watch.
+
+    Returns:
+        A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
+        ``.check_loss(loss)``, ``.check()``, ``.ewma(name, kind)``, ``.remove()``.
+
+    Raises:
+        SelectionError: ``select`` matched no module.
+        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay`` or
+            ``screen``, ``replay=True`` with ``spike``, or ``screen`` with the per-call watch.
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        >>> with gt.detect(net, action="record") as det:
+        ...     net[0].bias.data[1] = float("nan")
+        ...     net(torch.randn(2, 4)).sum().backward()
+        ...     skip = det.should_skip()
+        ...     det.step()
+        >>> a = det.anomalies[0]
+        >>> (a.module_name, a.kind, a.where, a.slot, skip)
+        ('0', 'nan', 'forward', 'bias', True)
+    """
+    return Detector(model, select, nonfinite, spike, warmup, action, dump_dir,
+                    spike_beta=spike_beta, replay=replay, screen=screen)
