@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCTEST_MODULES = ["gradtap.select", "gradtap.capture.taps", "gradtap.capture.listener",
                    "gradtap.capture.engine", "gradtap.capture.hookset", "gradtap.capture.naming",
-                   "gradtap.capture.saved", "gradtap.record", "gradtap.explain",
+                   "gradtap.capture.saved", "gradtap.record", "gradtap._explain",
                    "gradtap.curvature", "gradtap.functional.explicit", "gradtap.monitor",
                    "gradtap.store", "gradtap.per_sample.api", "gradtap._registry",
                    "gradtap.integrations.hf_models"]

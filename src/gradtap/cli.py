@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_explain(args: argparse.Namespace) -> int:
     import torch
 
-    from gradtap.explain import explain
+    from gradtap._explain import explain
 
     torch.manual_seed(args.seed)
     if not args.hf and (args.config or args.task != "auto"):

@@ -1,6 +1,6 @@
 """Explicit functional building blocks: a convolution differentiable to any order."""
 
-from gradtap.functional.conv import conv, conv_input_grad, conv_weight_grad
+from gradtap.functional._conv import conv, conv_input_grad, conv_weight_grad
 
 __all__ = [
     "conv",
