@@ -56,7 +56,7 @@ def replay(screen: Screen, owner: Listener, backward: list[RootCall]) -> None:
                      if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
             if not pairs:
                 continue
-            leaves = [p for p in screen.model.parameters() if p.requires_grad]
+            leaves: list[Tensor] = [p for p in screen.model.parameters() if p.requires_grad]
             leaves += [t for _, t in flatten_tensors((args, kwargs), "a") if t.requires_grad]
             with torch.enable_grad():
                 if leaves:  # autograd.grad: nothing is accumulated into .grad

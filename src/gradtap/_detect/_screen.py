@@ -142,9 +142,9 @@ class Screen:
         self.cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         self._arguments = argument_tensors(model)
         self.hooks = HookSet()
-        for _, p in self._large_params:
-            if p.requires_grad:
-                self.hooks.post_accumulate_grad(p, self._sum_grad)
+        for _, param in self._large_params:
+            if param.requires_grad:
+                self.hooks.post_accumulate_grad(param, self._sum_grad)
         for name, module in modules:
             if module is not model:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
@@ -208,13 +208,14 @@ class Screen:
             call.grads[path] = g if old is None else old + g
 
     def _sum_grad(self, p: Tensor) -> None:
-        g = p.grad
-        if g is None:
+        grad = p.grad
+        if grad is None:
             return
+        g = grad
         if g.requires_grad:  # create_graph=True: no graph for the check
             g = g.detach()
         total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
-        self._sums[id(p)] = (weakref.ref(p.grad), g._version, total)
+        self._sums[id(p)] = (weakref.ref(grad), g._version, total)
 
     def _end_of_backward(self) -> None:
         backward, self._backward = self._backward, []
@@ -315,9 +316,9 @@ class Screen:
             for order, where, module, key, ref in part.range_info:
                 lo, hi = lohi[j], lohi[j + 1]
                 if not (math.isfinite(lo) and math.isfinite(hi)):
-                    t = ref()
+                    held = ref()
                     found.append((n, order, Suspect(where, module, key,
-                                                    None if t is None else t.detach(),
+                                                    None if held is None else held.detach(),
                                                     nan=bool(np.isnan(lo) or np.isnan(hi)))))
                 j += 2
         # In the order they were screened: calls as they finished, gradients as they arrived.
@@ -328,9 +329,10 @@ class Screen:
         """The parameters with a gradient to check, in the order of their values: those whose
         gradients are to be reduced, by device and dtype, then those whose gradient was summed
         in backward and is unchanged since, as ``(grad, sum)``."""
-        params, groups = [], []
+        params: list[tuple[str, Tensor]] = []
+        groups: list[list[Tensor]] = []
         for group in self._param_groups:
-            grads = [p.grad for _, p in group]
+            grads: list[Any] = [p.grad for _, p in group]
             if not self._maybe_sparse and not any(g is None for g in grads):
                 params += group
                 groups.append(grads)
@@ -338,7 +340,9 @@ class Screen:
             keep = [i for i, g in enumerate(grads) if g is not None and _host.measurable(g)]
             params += [group[i] for i in keep]
             groups.append([grads[i] for i in keep])
-        summed_params, summed, stale = [], [], {}
+        summed_params: list[tuple[str, Tensor]] = []
+        summed: list[tuple[Tensor, Tensor]] = []
+        stale: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor, Tensor]]] = {}
         for name, p in self._large_params:
             g = p.grad
             if g is None or not _host.measurable(g):

@@ -89,11 +89,11 @@ class SpikeTracker:
         spiking: list[Spike] = []
         for i, name, kind in touched:
             key = (name, kind)
-            j = self._index.get(key)
-            if j is None or key in self._flagged or self._count[j] < max(self.warmup, 1):
+            at = self._index.get(key)
+            if at is None or key in self._flagged or self._count[at] < max(self.warmup, 1):
                 continue
             value = math.sqrt(self._totals[key])
-            limit = self.spike * float(self._mean[j])  # type: ignore[operator]
+            limit = self.spike * float(self._mean[at])  # type: ignore[operator]
             if value > limit:
                 spiking.append((i, name, kind, value, limit))
         if not spiking:

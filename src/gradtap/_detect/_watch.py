@@ -29,6 +29,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -227,7 +228,7 @@ class CallWatch(Listener):
         mm = np.empty((len(m.meta), 2))
         for (_, sids), arr in zip(groups, host):
             mm[sids] = arr.reshape(-1, 2)
-        finite = np.isfinite(mm).all(axis=1)
+        finite = cast(np.ndarray, np.isfinite(mm).all(axis=1))
         self._forward_batches.append((m.calls, mm, m))
         if finite.all():
             for c in m.calls:
@@ -313,13 +314,14 @@ class CallWatch(Listener):
             # A forward (or loss) anomaly: this backward's non-finite values are its
             # consequence. Attach the records to it if not emitted yet; check nothing.
             self._forward_bad = False
-            by_key = {(p.name, p.call): p.rec for p in back.plans if p.rec is not None}
+            by_key: dict[Any, GradRecord | None] = {
+                (p.name, p.call): p.rec for p in back.plans if p.rec is not None}
             self.found = [Found(replace(f.anomaly, record=by_key.get(f.key, f.anomaly.record)),
                                 f.key, f.module, f.kept) for f in self.found]
             return
         pending = [j for j, t in enumerate(back.tensors) if t is not None]
         if pending:
-            tensors = [back.tensors[j] for j in pending]
+            tensors = [t for t in back.tensors if t is not None]  # in the order of pending
             with torch.no_grad():
                 norms = _host.norms(tensors)  # this backward's one sync
             fin = np.isfinite(norms)

@@ -335,14 +335,15 @@ class TransformHandle:
                 # Once per backward, after every gradient of that backward was accumulated, a
                 # group-only rule runs once over the accumulated .grad of all its parameters
                 # that have one (as at when="step"), if that backward reached one of them.
-                groups = list(whole_rules.values())
+                whole = list(whole_rules.values())
 
                 def after_backward(reached: list[int]) -> None:
                     for i in reached:
-                        self._step_group(groups[i])
+                        self._step_group(whole[i])
 
                 self._hooks.after_accumulation(
-                    [[e.param for e in entries] for entries in groups], after_backward)
+                    [[e.param for e in entries if e.param is not None] for entries in whole],
+                    after_backward)
         elif self.when == "step":
             groups: dict[str, list[_Entry]] = {}
             for entry in self._entries.values():

@@ -69,13 +69,14 @@ def note_inputs(rec: Recorder, call: Call, args: tuple, kwargs: dict) -> tuple |
     # edge (through a CopySlices node), not to the view's own edge: note the base's edge
     # and where the view lies in it.
     # (A view of a leaf that requires grad cannot be modified in place.)
+    base: Any
     for path, t in flat:
         if t.requires_grad and t._is_view():
             base = t._base
             if base.grad_fn is not None:
-                edge = (base.grad_fn, base.output_nr)
-                if edge not in input_edges:
-                    call.input_bases[edge] = (path, Region(t, base))
+                base_edge = (base.grad_fn, base.output_nr)
+                if base_edge not in input_edges:
+                    call.input_bases[base_edge] = (path, Region(t, base))
     if rec.keep_inputs:
         for path, t in flat:
             kept = t.detach().clone() if info.clone_inputs else t.detach()
@@ -109,6 +110,8 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
     first: set[int] = set()
     repeated: set[int] = set()           # ids of tensors under more than one path
     watched: dict[tuple[Any, int], None] = {}
+    fn: Any
+    base: Any
     for i, (path, t) in enumerate(outs):
         call.grad_outputs[path] = None
         if rec.keep_outputs:

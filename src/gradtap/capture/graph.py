@@ -14,7 +14,7 @@ __all__ = ["INPUT", "INPUT_REGION", "PARAM", "walk_call"]
 #: Kinds of an edge found by :func:`walk_call`: into an argument, into a parameter, into the
 #: base of a view argument (the key then also says where the view lies in it).
 INPUT, PARAM, INPUT_REGION = 0, 1, 2
-AccumulateGrad = torch._C._functions.AccumulateGrad
+AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 Edges = dict[Any, list[tuple[int, int, Any]]]
 Users = dict[tuple[Any, int], list[Any]]

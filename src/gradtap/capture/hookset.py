@@ -177,7 +177,7 @@ class HookSet:
         for p in self._params:
             # register_post_accumulate_grad_hook leaves an empty dict behind; restore None.
             if not p._post_accumulate_grad_hooks:
-                p._post_accumulate_grad_hooks = None
+                p._post_accumulate_grad_hooks = None  # type: ignore[assignment]
         self._params.clear()
         for fn in self._cleanups:
             fn()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 
@@ -33,5 +34,5 @@ def legacy_backward_grads(modules: Iterable[tuple[str, nn.Module]]
             warnings.simplefilter("ignore")
             hooks.add(module.register_backward_hook(hook))
         # register_backward_hook flips this flag; put it back so no trace is left.
-        hooks.add_cleanup(lambda m=module, v=previous: setattr(m, "_is_full_backward_hook", v))
+        hooks.add_cleanup(functools.partial(setattr, module, "_is_full_backward_hook", previous))
     return hooks, seen

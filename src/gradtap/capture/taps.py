@@ -49,8 +49,8 @@ class Tap:
         store: bool = True,
         listener: Listener | None = None,
     ) -> None:
-        keep = (keep,) if isinstance(keep, str) else tuple(keep)
-        unknown = sorted(set(keep) - {"inputs", "outputs"})
+        kept = (keep,) if isinstance(keep, str) else tuple(keep)
+        unknown = sorted(set(kept) - {"inputs", "outputs"})
         if unknown:
             raise ValueError(f"keep= accepts 'inputs' and 'outputs'; got {unknown}")
         if not isinstance(model, nn.Module):
@@ -58,8 +58,8 @@ class Tap:
         if listener is not None and not isinstance(listener, Listener):
             raise TypeError("tap(listener=...) needs a gradtap.capture.Listener; got "
                             f"{type(listener).__name__}")
-        self._recorder = Recorder(listener, on_record, store, "inputs" in keep,
-                                  "outputs" in keep, torch.device(to) if to is not None else None)
+        self._recorder = Recorder(listener, on_record, store, "inputs" in kept,
+                                  "outputs" in kept, torch.device(to) if to is not None else None)
         self._hooks = HookSet()
         self._infos: list[ModuleInfo] = []
         self.modules = select_modules(model, select)
