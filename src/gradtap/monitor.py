@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
 from gradtap import distributed
+from gradtap._tensorops import moments as ops_moments
 from gradtap._types import Selector
 from gradtap.capture import HookSet, tap
 from gradtap.errors import StoreError
@@ -441,7 +442,7 @@ class Monitor:
         if known and self._needs.std:
             rows = np.array([i for i, n in enumerate(names) if n in known], dtype=np.int64)
             if len(rows):
-                exact = ops.centered_moments([tensors[i] for i in rows], scratch=self._scratch)
+                exact = ops_moments.centered_moments([tensors[i] for i in rows], scratch=self._scratch)
                 job.exact = (rows, ops.host_moments(exact, len(rows), copy))
         return job
 
@@ -462,9 +463,8 @@ class Monitor:
         position = {n: i for i, n in enumerate(names)}
         job.group = np.array([position[k] for k in keys], dtype=np.int64)
 
-        def gather() -> dict[str, np.ndarray]:
-            parts = [g() for g in gathers]
-            return {f: np.concatenate([p[f] for p in parts]) for f in parts[0]}
+        def gather() -> ops.Moments[np.ndarray]:
+            return ops.Moments.cat([g() for g in gathers])
 
         job.gather = gather
         return job
@@ -502,7 +502,7 @@ class Monitor:
             fields = {f: copy.get(h) for f, h in hf.items()}
             keep = np.flatnonzero(count > 0)
             return ([job.names[i] for i in keep], count[keep],
-                    {f: v[keep] for f, v in fields.items()})
+                    ops.Moments.coerce({f: v[keep] for f, v in fields.items()}))
         if not job.names:
             return [], job.count, {}
         fields = job.gather()
@@ -692,30 +692,27 @@ def _dots(a: list[Tensor], b: list[Tensor]) -> Tensor:
     return torch.stack(out)
 
 
-def _assemble(groups: list[tuple[list[int], dict[str, Tensor]]], n: int) -> dict[str, Tensor]:
+def _assemble(groups: list[tuple[list[int], ops.Moments[Tensor]]], n: int) -> ops.Moments[Tensor]:
     """Put the rows of ``tensor_moments`` groups back in tensor order, on one device."""
     if len(groups) == 1:
         return groups[0][1]
-    device = next(iter(groups[0][1].values())).device
+    device = next(iter(groups[0][1].items()))[1].device
     order = torch.tensor([i for idx, _ in groups for i in idx], device=device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(n, device=device)
-    return {f: torch.cat([fields[f].to(device) for _, fields in groups])[inverse]
-            for f in groups[0][1]}
+    return ops.Moments.cat([m for _, m in groups]).map(lambda v: v[inverse])
 
 
-def _assemble_parts(pending: list[tuple[list[str], np.ndarray, list]]) -> dict[str, Tensor]:
-    parts = [_assemble(groups, len(keys)) for keys, _, groups in pending]
-    device = next(iter(parts[0].values())).device
-    return {f: torch.cat([p[f].to(device) for p in parts]) for f in parts[0]}
+def _assemble_parts(pending: list[tuple[list[str], np.ndarray, list]]) -> ops.Moments[Tensor]:
+    return ops.Moments.cat([_assemble(groups, len(keys)) for keys, _, groups in pending])
 
 
-def _empty_fields(needs: ops.Needs, edges: Tensor | None, device: torch.device) -> dict[str, Tensor]:
+def _empty_fields(needs: ops.Needs, edges: Tensor | None, device: torch.device) -> ops.Moments[Tensor]:
     names = (*needs.fields(), *(("shift", "csum", "m2c") if needs.std else ()))
     fields = {f: torch.zeros(0, dtype=torch.float64, device=device) for f in names}
     if edges is not None:
         fields["hist"] = torch.zeros(0, edges.numel() - 1, dtype=torch.float64, device=device)
-    return fields
+    return ops.Moments.coerce(fields)
 
 
 def _queue_reduced(count: np.ndarray, fields: dict[str, Tensor], group: np.ndarray,
