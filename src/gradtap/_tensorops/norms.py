@@ -66,8 +66,8 @@ def group_sumsq(group: Sequence[Tensor], acc: torch.dtype | None = None) -> Tens
 
     Example:
         >>> import torch
-        >>> group_sumsq([torch.full((3000,), 0.5), torch.tensor([2.0])]).tolist()
-        [750.0, 4.0]
+        >>> group_sumsq([torch.full((4096,), 0.5), torch.tensor([3.0, 4.0])]).tolist()
+        [1024.0, 25.0]
     """
     ts = list(group)
     f64 = torch.float64
