@@ -29,7 +29,6 @@ value from :func:`centered_moments`: the tensor centred on its float32 mean ``sh
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -110,6 +109,7 @@ class Moments(Generic[A]):
         "shift", "csum", "m2c", "m2", "between",
     )  # fmt: skip
     _CENTERED: ClassVar[tuple[str, ...]] = ("shift", "csum", "m2c")
+    _KNOWN: ClassVar[frozenset[str]] = frozenset(NAMES)
 
     # -- the flat-name view ------------------------------------------------------------------
 
@@ -119,15 +119,16 @@ class Moments(Generic[A]):
         (``shift``, ``csum`` and ``m2c`` must come together)."""
         if isinstance(fields, Moments):
             return fields
-        unknown = set(fields) - set(cls.NAMES)
-        if unknown:
-            raise KeyError(f"unknown moment field(s) {sorted(unknown)}; fields are {cls.NAMES}")
+        if not cls._KNOWN.issuperset(fields):
+            unknown = sorted(set(fields) - cls._KNOWN)
+            raise KeyError(f"unknown moment field(s) {unknown}; fields are {cls.NAMES}")
+        if "shift" not in fields and "csum" not in fields and "m2c" not in fields:
+            return cls(**fields)
         parts = [f for f in cls._CENTERED if f in fields]
-        if parts and len(parts) != 3:
+        if len(parts) != 3:
             raise KeyError(f"centered fields come together (shift, csum, m2c); got {parts}")
-        centered = Centered(*(fields[f] for f in cls._CENTERED)) if parts else None
         plain = {f: v for f, v in fields.items() if f not in cls._CENTERED}
-        return cls(**plain, centered=centered)
+        return cls(**plain, centered=Centered(fields["shift"], fields["csum"], fields["m2c"]))
 
     def __getitem__(self, name: str) -> A:
         value = (getattr(self.centered, name, None) if name in self._CENTERED
@@ -173,10 +174,10 @@ class Moments(Generic[A]):
 
     def copy(self) -> Moments[A]:
         """A shallow copy: fields may be replaced on it without touching this one."""
-        out = dataclasses.replace(self)
-        if self.centered is not None:
-            out.centered = dataclasses.replace(self.centered)
-        return out
+        c = self.centered
+        return Moments(self.sum, self.sumsq, self.max, self.negmin, self.nonfinite, self.nonzero,
+                       self.hist, None if c is None else Centered(c.shift, c.csum, c.m2c),
+                       self.m2, self.between)
 
     @staticmethod
     def cat(parts: Sequence[Moments[A]]) -> Moments[A]:
