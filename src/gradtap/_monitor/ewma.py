@@ -7,10 +7,9 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_
+from gradtap._tensorops import ewma_init, ewma_update_, group_norms
 
 __all__ = ["GradEwma", "unknown_name"]
 
@@ -62,7 +61,7 @@ class GradEwma:
         rows = []
         for name, (m, v) in self._state.items():
             rows.append((name, self.beta, self._updates[name], m.numel(),
-                         json.dumps(list(m.shape)), float(torch.linalg.vector_norm(m)),
+                         json.dumps(list(m.shape)), float(group_norms([m], accurate=True)[0]),
                          float(m.abs().max()), float(v.mean()), float(v.max())))
         return rows
 
