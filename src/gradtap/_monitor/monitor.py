@@ -84,7 +84,7 @@ class Monitor:
         hist_linthresh: magnitude below which symlog bins are linear.
         local_grads: under DDP, watch rank-local parameter gradients (see above).
         overwrite: replace an existing store at ``store``.
-        meta: extra JSON-serialisable metadata for the store.
+        meta: extra JSON-serialisable metadata for the run (checked when a store is written).
 
     Raises:
         SelectionError: ``select`` matches nothing.
