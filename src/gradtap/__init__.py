@@ -1,18 +1,7 @@
 """gradtap: see, understand and shape the gradients flowing backward through a PyTorch model."""
 
 from gradtap import functional
-from gradtap.capture import Tap, tap
-from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
 from gradtap._detect import Anomaly, detect, load_dump
-from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
-from gradtap.explain import Explanation, explain
-from gradtap.export import to_tensorboard
-from gradtap.functional.explicit import explicit_conv
-from gradtap.monitor import Monitor
-from gradtap.per_sample import PerSample, per_sample
-from gradtap.record import GradRecord
-from gradtap.select import select_modules, select_parameters
-from gradtap.store import Run, open_run
 from gradtap._transform import (
     Transform,
     add_noise,
@@ -29,6 +18,17 @@ from gradtap._transform import (
     transform,
     zero,
 )
+from gradtap.capture import Tap, tap
+from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
+from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
+from gradtap.explain import Explanation, explain
+from gradtap.export import to_tensorboard
+from gradtap.functional.explicit import explicit_conv
+from gradtap.monitor import Monitor
+from gradtap.per_sample import PerSample, per_sample
+from gradtap.record import GradRecord
+from gradtap.select import select_modules, select_parameters
+from gradtap.store import Run, open_run
 
 __version__ = "0.1.0"
 

@@ -42,8 +42,6 @@ import torch
 from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
-from gradtap._types import Selector
-from gradtap.capture import Tap, at_end_of_backward, tap
 from gradtap._detect import _host
 from gradtap._detect._anomaly import (
     LOSS,
@@ -63,6 +61,8 @@ from gradtap._detect._anomaly import (
 )
 from gradtap._detect._dump import write_dump
 from gradtap._detect._replay import RootCall, Screen, Suspect
+from gradtap._types import Selector
+from gradtap.capture import Tap, at_end_of_backward, tap
 from gradtap.errors import GradientAnomaly
 from gradtap.record import GradRecord, format_table
 from gradtap.select import select_modules

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtap.capture import HookSet, Tap, argument_tensors, at_end_of_backward, replaying
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
+from gradtap.capture import HookSet, Tap, argument_tensors, at_end_of_backward, replaying
 from gradtap.record import flatten_tensors, map_tensors
 
 __all__ = ["RootCall", "Screen", "Suspect"]

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradtap._transform.base import State, Transform, is_group_only
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.capture import HookSet, Tap, at_end_of_backward, tap
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
-from gradtap._transform.base import State, Transform, is_group_only
 
 __all__ = ["TransformHandle", "transform"]
 

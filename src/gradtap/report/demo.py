@@ -178,8 +178,8 @@ def run_demo(
 def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_size: int,
            lr: float, hist_bins: int, kinds: tuple[str, ...], progress: ProgressFn | None,
            start: float, detect: Any, spike: float | None) -> DemoResult:
-    from gradtap.monitor import Monitor
     from gradtap._transform import chain, clip_norm, normalize, transform
+    from gradtap.monitor import Monitor
 
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_tensors(seed)
