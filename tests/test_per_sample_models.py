@@ -464,6 +464,37 @@ def test_argument_modified_in_place_after_the_call_is_not_replayed() -> None:
     assert len(messages) == 1 and "replay of the model" in messages[0], messages
 
 
+class Counter:
+    """Mutable state passed to a module (like a key/value cache): a replay would change it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class CountingEncoder(PositionsAdded):
+    def forward(self, x: Tensor, counter: Counter) -> Tensor:  # type: ignore[override]
+        counter.calls += 1
+        return super().forward(x)
+
+
+class WithCounter(ChangesItsArgument):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = CountingEncoder()
+        self.counters: list[Counter] = []
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        self.counters.append(Counter())
+        return self.head(self.encoder(self.tok(tokens), self.counters[-1]))
+
+
+def test_call_with_an_opaque_argument_is_not_replayed() -> None:
+    model = WithCounter()
+    _, messages = check(model, token_loss, ids())
+    assert len(messages) == 1 and "replay of the model" in messages[0], messages
+    assert model.counters[0].calls == 1  # the forward's own counter, untouched by the replay
+
+
 def test_two_forwards_one_backward_and_clear_between_steps() -> None:
     model = WithEncoder()
     first, second = ids(), ids()

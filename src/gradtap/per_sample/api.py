@@ -53,7 +53,14 @@ from gradtap.per_sample.table import (
     norm_sq_from_grad,
     sum_sq_from_grad,
 )
-from gradtap.per_sample.units import MAX_OUTER_CALLS, Frame, candidates, frames_of, mismatches
+from gradtap.per_sample.units import (
+    MAX_OUTER_CALLS,
+    Frame,
+    candidates,
+    frames_of,
+    largest_norm,
+    mismatches,
+)
 from gradtap.record import GradRecord, flatten_tensors
 from gradtap.select import select_module_parameters
 
@@ -582,7 +589,8 @@ class PerSample:
     def _end_of_backward(self) -> None:
         self._queued = False
         try:
-            if self.batch_size is not None:
+            if self.batch_size is not None and self._increments:
+                self._largest = largest_norm(list(self._increments.values()))
                 late = self._check_sums()
                 bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
                        if q in self._increments}
@@ -621,7 +629,7 @@ class PerSample:
         return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")
-                for q in mismatches(rows, self._params, c)}
+                for q in mismatches(rows, self._params, c, self._largest)}
 
     def _discard(self, qual: str) -> None:
         for step in (self._step_grad, self._step_norm_sq, self._step_sum_sq, self._step_total,
@@ -662,7 +670,7 @@ class PerSample:
                 with torch.no_grad():
                     rows = {q: (result[q].sum(0) * c, self._increments[q], result[q])
                             for q in quals}
-                wrong = mismatches(rows, self._params, c)
+                wrong = mismatches(rows, self._params, c, self._largest)
                 for q in quals:
                     if q in wrong:
                         tried[q].append(f"{where}: its replay does not add up to the gradient "

@@ -22,7 +22,10 @@ differences are taken with the ``torch._foreach`` kernels and read in one host c
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
+import types
 from typing import Any
 
 import torch
@@ -31,7 +34,8 @@ from torch import Tensor, nn
 from gradtap.per_sample.fallback import AutocastState, autocast_state
 from gradtap.record import flatten_tensors
 
-__all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "mismatches", "tolerance"]
+__all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "largest_norm", "mismatches",
+           "tolerance"]
 
 #: Outermost calls kept per forward group (forwards since the last backward); a group that
 #: runs more forwards than this without a backward starts over, so nothing piles up.
@@ -69,6 +73,10 @@ class Frame:
         for t, version in self.versions:
             if t._version != version:
                 return f"an argument of shape {tuple(t.shape)} was modified in place after the call"
+        opaque = _opaque((self.args, self.kwargs))
+        if opaque is not None:
+            return (f"an argument of type {opaque} may hold state that a replay would change "
+                    "(a cache)")
         return None
 
     def drop(self) -> None:
@@ -76,6 +84,22 @@ class Frame:
         self.versions = []
         self.grads = {}
         self.keep = False
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size, enum.Enum, slice, range, type, nn.Module, types.FunctionType,
+          types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _opaque(obj: Any) -> str | None:
+    """The type name of the first argument leaf that is not a tensor or a plain value."""
+    if isinstance(obj, (Tensor, *_PLAIN)):
+        return None
+    if isinstance(obj, (tuple, list)):
+        return next((o for o in map(_opaque, obj) if o is not None), None)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return next((o for o in map(_opaque, obj.values()) if o is not None), None)
+    return type(obj).__name__
 
 
 def candidates(calls: list[tuple[Frame, ...]]) -> list[str]:
@@ -114,12 +138,15 @@ def tolerance(param: Tensor) -> float:
 
 
 def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
-               params: dict[str, Tensor], c: float) -> set[str]:
+               params: dict[str, Tensor], c: float, largest: float) -> set[str]:
     """Names whose per-sample sum is not their gradient increment, in one host copy per device.
 
     ``rows[name] = (per-sample sum, increment, per-sample gradients or None)``, where the sum
     is ``c`` times the sum over samples (``c = 1/N`` for a mean loss). The tolerance
-    is relative to the size of the increment and of the sum; a name that fails is checked
+    is relative to the size of the increment and of the sum, with a floor of ``1e-2`` of it
+    times ``largest``, the largest gradient norm in the model (gradients that vanish
+    mathematically, like a key bias before a softmax, are rounding noise on both sides, and
+    so are gradients many orders below the others in float32). A name that fails is checked
     again with the size of its per-sample gradients (when given) added, so sums that cancel
     are not taken for errors: that costs a pass over them, only then.
     """
@@ -129,10 +156,6 @@ def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
     if not rows:
         return set()
     values = _norms({k: (a, _dense(i)) for k, (a, i, _) in rows.items()})
-    # Gradients that vanish mathematically (a key bias before a softmax) are rounding noise
-    # on both sides: below a floor set by the largest gradient, differences do not count.
-    largest = max((v[1] + v[2] for v in values.values() if math.isfinite(v[1] + v[2])),
-                  default=0.0)
 
     def fails(name: str, size: float) -> bool:
         diff, inc, own = values[name]
@@ -189,6 +212,21 @@ def _host(tensors: dict[str, Tensor]) -> dict[str, list[float]]:
             m = tensors[k].numel()
             out[k], i = flat[i:i + m], i + m
     return out
+
+
+def largest_norm(grads: list[Tensor]) -> float:
+    """The largest norm among ``grads`` (finite ones), one host copy per device."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(_dense(g))
+    largest = 0.0
+    for group in by_device.values():
+        half = any(g.dtype in _HALF for g in group)
+        norms = torch.stack([n.float() for n in torch._foreach_norm(
+            group, 2, dtype=torch.float32 if half else None)])
+        norms = norms.nan_to_num(0.0, 0.0, 0.0)
+        largest = max(largest, float(norms.max()))
+    return largest
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
