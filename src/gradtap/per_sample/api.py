@@ -309,6 +309,7 @@ class PerSample:
         self._step_total: dict[str, Tensor] = {}
         self._step_pg: dict[str, Tensor] = {}  # the calls' own contributions (not materialized)
         self._increments: dict[str, Tensor] = {}  # what this backward adds to each .grad
+        self._largest_norm: float | None = None
         self._late: dict[str, tuple[str, str]] = {}  # found in backward: qual -> (module, why)
 
     # -- forward side -----------------------------------------------------------------------
@@ -590,7 +591,6 @@ class PerSample:
         self._queued = False
         try:
             if self.batch_size is not None and self._increments:
-                self._largest = largest_norm(list(self._increments.values()))
                 late = self._check_sums()
                 bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
                        if q in self._increments}
@@ -630,6 +630,12 @@ class PerSample:
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")
                 for q in mismatches(rows, self._params, c, self._largest)}
+
+    def _largest(self) -> float:
+        """The largest gradient norm of this backward, over every selected parameter."""
+        if self._largest_norm is None:
+            self._largest_norm = largest_norm(list(self._increments.values()))
+        return self._largest_norm
 
     def _discard(self, qual: str) -> None:
         for step in (self._step_grad, self._step_norm_sq, self._step_sum_sq, self._step_total,

@@ -26,6 +26,7 @@ import enum
 import functools
 import math
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,17 +139,17 @@ def tolerance(param: Tensor) -> float:
 
 
 def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
-               params: dict[str, Tensor], c: float, largest: float) -> set[str]:
+               params: dict[str, Tensor], c: float, largest: Callable[[], float]) -> set[str]:
     """Names whose per-sample sum is not their gradient increment, in one host copy per device.
 
     ``rows[name] = (per-sample sum, increment, per-sample gradients or None)``, where the sum
     is ``c`` times the sum over samples (``c = 1/N`` for a mean loss). The tolerance
     is relative to the size of the increment and of the sum, with a floor of ``1e-2`` of it
-    times ``largest``, the largest gradient norm in the model (gradients that vanish
+    times ``largest()``, the largest gradient norm in the model (gradients that vanish
     mathematically, like a key bias before a softmax, are rounding noise on both sides, and
     so are gradients many orders below the others in float32). A name that fails is checked
-    again with the size of its per-sample gradients (when given) added, so sums that cancel
-    are not taken for errors: that costs a pass over them, only then.
+    again with the floor and the size of its per-sample gradients (when given) added, so sums
+    that cancel are not taken for errors: that costs a pass over them, only then.
     """
     # A parameter used once has its call's contribution passed on as its increment: the
     # very same tensor, nothing to compare.
@@ -157,22 +158,23 @@ def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
         return set()
     values = _norms({k: (a, _dense(i)) for k, (a, i, _) in rows.items()})
 
-    def fails(name: str, size: float) -> bool:
+    def fails(name: str, allowance: float) -> bool:
         diff, inc, own = values[name]
         if not math.isfinite(inc):
             return False  # a non-finite gradient is detect's business, not a wrong split
-        return not diff <= tolerance(params[name]) * (inc + own + size + 1e-2 * largest)
+        return not diff <= tolerance(params[name]) * (inc + own + allowance)
 
     bad = {k for k in values if fails(k, 0.0)}
-    again = {k: rows[k][2] for k in bad if rows[k][2] is not None}
-    if again:
-        sizes = _host({k: torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF
-                                                   else None).reshape(1)
-                       for k, g in again.items()})
-        # sum_n |g_n| <= sqrt(N) |G|
-        bad -= {k for k, g in again.items()
-                if not fails(k, sizes[k][0] * math.sqrt(g.shape[0]) * c)}
-    return bad
+    if not bad:
+        return bad
+    floor = 1e-2 * largest()
+    grads = {k: rows[k][2] for k in bad if rows[k][2] is not None}
+    sizes = _host({k: torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF
+                                               else None).reshape(1)
+                   for k, g in grads.items()}) if grads else {}
+    # sum_n |g_n| <= sqrt(N) |G|
+    return {k for k in bad if fails(k, floor + (sizes[k][0] * math.sqrt(grads[k].shape[0]) * c
+                                                if k in grads else 0.0))}
 
 
 _HALF = (torch.float16, torch.bfloat16)
