@@ -96,7 +96,8 @@ def reduce_parts(
     for col in max_rows:
         nan = torch.maximum(nan, col.isnan().to(f64))
     # Collectives disagree about NaN in MAX: send a flag and put the NaN back afterwards.
-    max_cols = [torch.nan_to_num(c, nan=-torch.inf, posinf=torch.inf) for c in max_rows] + [nan]
+    max_cols = [torch.nan_to_num(c, nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+                for c in max_rows] + [nan]
     max_buf = torch.full((n_groups, len(max_cols)), -torch.inf, dtype=f64, device=device)
     max_buf.scatter_reduce_(0, index[:, None].expand(-1, len(max_cols)),
                             torch.stack(max_cols, dim=1), reduce="amax")

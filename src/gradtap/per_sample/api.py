@@ -433,8 +433,9 @@ class PerSample:
         def wrong_rows(key: str, t: Tensor, what: str) -> str:
             rows = _rows(t, bd)
             if rows is None or rows == 1:
-                return (f"its {what} {key!r} of shape {tuple(t.shape)} is shared by all {n} "
-                        "samples, so its output gradient sums over them")
+                return (f"its {what} {key!r} of shape {tuple(t.shape)} has one row for {n} "
+                        "samples (shared by all of them, or one sample's own sub-call), so its "
+                        "gradient does not split by sample")
             return (f"its {what} {key!r} has {rows} rows along batch_dim={bd} for {n} samples "
                     "(samples folded with other rows?)")
 
