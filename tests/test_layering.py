@@ -13,7 +13,7 @@ PACKAGE = Path(gradtap.__file__).parent
 # Prefixes of dotted module names (relative to gradtap) -> (layer, capability group).
 LAYERS: list[tuple[str, float, str]] = [
     ("errors", 0, "base"), ("_types", 0, "base"), ("_tensorops", 0, "base"),
-    ("_registry", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
+    ("_registry", 0, "base"), ("_text", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
     ("select", 1, "select"),
     ("record", 2, "record"), ("capture", 2.5, "capture"),
     ("explain", 3, "explain"), ("curvature", 3, "curvature"),

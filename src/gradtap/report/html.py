@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gradtap._text import format_number
 from gradtap.report import svg
 from gradtap.report.data import ReportData, build_report_data
 from gradtap.store import Run
@@ -185,7 +186,7 @@ def _kv_table(rows: Sequence[tuple[str, Any]]) -> str:
 
 def _value(v: Any) -> str:
     if isinstance(v, float):
-        return escape(svg.fmt(v))
+        return escape(format_number(v, short=True))
     if isinstance(v, (dict, list)):
         return f"<code>{escape(json.dumps(v, default=str))}</code>"
     return escape("—" if v is None else str(v))
@@ -204,12 +205,13 @@ def _overview(data: ReportData) -> str:
              ("parameters", f"{model.get('num_parameters', 0):,}" if isinstance(
                  model.get("num_parameters"), int) else "?")]
     for k, v in data.summary.items():
-        cards.append((k, f"{v:.1%}" if "accuracy" in k and math.isfinite(v) else svg.fmt(v)))
+        cards.append((k, f"{v:.1%}" if "accuracy" in k and math.isfinite(v)
+                      else format_number(v, short=True)))
     loss = data.metrics.get("loss")
     if loss is not None and len(loss[1]):
         fin = loss[1][np.isfinite(loss[1])]
         if len(fin):
-            cards.append(("final loss", svg.fmt(float(fin[-1]))))
+            cards.append(("final loss", format_number(float(fin[-1]), short=True)))
     n_anom = len(data.anomalies) + (0 if data.anomalies else len(data.derived_anomalies))
     cards.append(("anomalies", str(n_anom)))
     html = '<div class="cards">' + "".join(
