@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, float, str]] = [
     ("distributed", 3, "monitor"),
     ("_transform", 3, "transform"), ("per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
     ("integrations", 4, "integrations"),
-    ("report", 4, "report"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
+    ("report", 4, "report"), ("demo", 4.5, "demo"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
 ]
 
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 import gradtap.report as report
+from gradtap.demo import run_demo
 from gradtap.errors import SelectionError, StoreError
 from gradtap.monitor import Monitor
 from gradtap.report import svg
-from gradtap.report.demo import run_demo
 from gradtap.store import open_run
 
 STEPS = 30

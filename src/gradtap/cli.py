@@ -176,9 +176,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from gradtap.demo import run_demo
     from gradtap.errors import StoreError
     from gradtap.report import layer_summary, write_report
-    from gradtap.report.demo import run_demo
 
     if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
         raise _CliError(f"--inject-nan must be a step in [0, {args.steps}); got {args.inject_nan}")
