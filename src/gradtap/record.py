@@ -114,7 +114,7 @@ def meaning(role: str, key: str, grad: Tensor | None) -> str:
 def flatten_tensors(obj: Any, prefix: str, *, under_prefix: bool = False) -> list[tuple[str, Tensor]]:
     """Return ``(path, tensor)`` for every tensor leaf of a nested output or argument.
 
-    Paths follow DESIGN.md: a lone tensor gets ``prefix``, tuple and list items their index,
+    Paths follow docs/semantics.md ("Records"): a lone tensor gets ``prefix``, tuple and list items their index,
     mappings (dicts, ``ModelOutput``) their keys, nested parts joined by ``"."``. Outputs use
     ``prefix="output"`` (a tuple output gives ``"0"``, ``"1"``); arguments use their name with
     ``under_prefix=True`` (a tuple argument ``hx`` gives ``"hx.0"``, ``"hx.1"``). Non-tensor
