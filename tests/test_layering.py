@@ -13,7 +13,7 @@ PACKAGE = Path(gradtap.__file__).parent
 # Prefixes of dotted module names (relative to gradtap) -> (layer, capability group).
 LAYERS: list[tuple[str, float, str]] = [
     ("errors", 0, "base"), ("_types", 0, "base"), ("_tensorops", 0, "base"),
-    ("_registry", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
+    ("_registry", 0, "base"), ("_text", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
     ("select", 1, "select"),
     ("record", 2, "record"), ("capture", 2.5, "capture"),
     ("explain", 3, "explain"), ("curvature", 3, "curvature"),
@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, float, str]] = [
     ("export", 3, "monitor"), ("distributed", 3, "monitor"),
     ("_transform", 3, "transform"), ("per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
     ("integrations", 4, "integrations"),
-    ("report", 4, "report"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
+    ("report", 4, "report"), ("demo", 4.5, "demo"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
 ]
 
 

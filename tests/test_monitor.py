@@ -47,7 +47,7 @@ def assert_close_value(actual: float, expected: float, what: str, rtol: float = 
 
 
 def ewma_oracle(seq: list[np.ndarray], beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md's EWMA, elementwise, a loop over steps in float64."""
+    """The EWMA of docs/semantics.md, elementwise, a loop over steps in float64."""
     m = seq[0].astype(np.float64).copy()
     v = np.zeros_like(m)
     for g in seq[1:]:

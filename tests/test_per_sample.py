@@ -511,7 +511,7 @@ def test_attention_matches_torch_func(data: st.DataObject) -> None:
     e = heads * data.draw(st.integers(1, 3))
     kdim = data.draw(st.sampled_from([None, 2, 3]))
     weights = data.draw(st.sampled_from(["none", "unused", "used"]))
-    # The fallback splits every input at batch_dim (DESIGN.md); key_padding_mask and the
+    # The fallback splits every input at batch_dim (docs/semantics.md); key_padding_mask and the
     # returned weights are batch-first whatever batch_first says: only batch_first=True there.
     batch_first = weights == "used" or data.draw(st.booleans())
     att = nn.MultiheadAttention(e, heads, bias=data.draw(st.booleans()),

@@ -3,7 +3,7 @@
 :func:`run_demo` trains a tiny conv net on ``sklearn.datasets.load_digits`` (8x8 images, bundled
 with scikit-learn, no download) while a :class:`~gradtap.Monitor` writes a run store, a
 transform rule normalizes (then clips) the conv weight gradients, and, when
-:mod:`gradtap.detect` is available, anomaly detection records where a NaN came from. It returns
+:func:`gradtap.detect` is available, anomaly detection records where a NaN came from. It returns
 data; printing is the command line's job (``gradtap demo``).
 
 Files written into the run directory: ``run.db`` (the Monitor's store), ``anomalies.json``
@@ -129,7 +129,7 @@ def run_demo(
 
     The run directory ``out`` is replaced if it already holds a run. At step ``inject_nan``
     block2's forward output gets one NaN; that step's optimizer step is skipped (detect's
-    ``should_skip()``, or a non-finite loss when :mod:`gradtap.detect` is not available) and
+    ``should_skip()``, or a non-finite loss when :func:`gradtap.detect` is not available) and
     training goes on.
 
     Args:
