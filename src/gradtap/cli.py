@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from gradtap._text import format_number, format_table
@@ -166,10 +167,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         shape = _parse_shape(args.input_shape)
     if not isinstance(model, torch.nn.Module):
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
-    if inputs is None:
-        inputs = torch.randn(*shape)
+    example: Any = inputs if inputs is not None else torch.randn(*shape)
     try:
-        print(header + str(explain(model, inputs, select=args.select, legacy=args.legacy)))
+        print(header + str(explain(model, example, select=args.select, legacy=args.legacy)))
     except ValueError as err:  # SelectionError, bad loss
         raise _CliError(str(err)) from err
     return 0

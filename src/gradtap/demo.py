@@ -154,6 +154,7 @@ def run_demo(
     Raises:
         ValueError: ``steps`` < 1, or ``inject_nan`` outside ``[0, steps)``.
     """
+    detect: Callable[..., Any] | None
     try:  # detect is a later capability; the demo works without it
         from gradtap._detect import detect
     except ImportError:

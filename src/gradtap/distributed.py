@@ -15,6 +15,7 @@ communicated.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -124,12 +125,12 @@ def reduce_parts(
     return total, Moments.coerce(out), flat_max[-2:]
 
 
-def layout_mismatch(check: Sequence[float]) -> bool:
+def layout_mismatch(check: Sequence[float] | np.ndarray) -> bool:
     """True when the reduced checksum pair of :func:`reduce_parts` shows differing keys."""
     return float(check[0]) != -float(check[1])
 
 
-def _all_reduce(buf: Tensor, op: dist.ReduceOp) -> Tensor:
+def _all_reduce(buf: Tensor, op: Any) -> Tensor:
     device = buf.device
     if dist.get_backend() == "gloo" and device.type != "cpu":
         buf = buf.cpu()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -153,7 +153,7 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(obj, Mapping):
         items = {k: map_tensors(v, fn) for k, v in obj.items()}
         try:
-            return type(obj)(items)
+            return cast(Any, type(obj))(items)
         except Exception:  # noqa: BLE001 - fall back to item assignment for exotic mappings
             for k, v in items.items():
                 obj[k] = v  # type: ignore[index]

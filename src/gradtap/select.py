@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from torch import nn
 
@@ -119,9 +119,11 @@ def select_module_parameters(
     """
     named_params = list(model.named_parameters())
     picked: set[int] = set()
-    globs = [selector] if isinstance(selector, str) else (
-        list(selector) if isinstance(selector, Sequence)
-        and all(isinstance(s, str) for s in selector) else None)
+    globs: list[str] | None = None
+    if isinstance(selector, str):
+        globs = [selector]
+    elif isinstance(selector, Sequence) and all(isinstance(s, str) for s in selector):
+        globs = [str(s) for s in selector]
     if globs is not None:
         if not globs:
             raise SelectionError("empty list of globs selects no module or parameter")
@@ -168,9 +170,10 @@ def _select(
     if isinstance(selector, Sequence) and all(isinstance(s, str) for s in selector):
         if not selector:
             raise SelectionError(f"empty list of globs selects no {what}")
-        return _by_globs(named, list(selector), what)
+        return _by_globs(named, [str(s) for s in selector], what)
     if callable(selector):
-        picked = [(n, o) for n, o in named if selector(n, o)]
+        accepts = cast(Callable[[str, object], bool], selector)  # modules or parameters
+        picked = [(n, o) for n, o in named if accepts(n, o)]
         if not picked:
             raise SelectionError(
                 f"the predicate {getattr(selector, '__name__', selector)!r} selected no {what} "

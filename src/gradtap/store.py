@@ -310,7 +310,7 @@ class Run:
             for row in cur:
                 rec = {c: _nan(v) if isinstance(v, float) or v is None else v
                        for c, v in zip(cols[1:], row[1:])}
-                rec["shape"] = json.loads(rec["shape"])
+                rec["shape"] = json.loads(str(rec["shape"]))
                 out[row[0]] = rec
             return out
 

@@ -205,7 +205,9 @@ class Monitor:
     @property
     def run(self) -> Run | None:
         """The :class:`~gradtap.Run` over this monitor's store (rank 0), else ``None``."""
-        return Run(self._store_path) if self._writer is not None else None
+        if self._writer is None or self._store_path is None:
+            return None
+        return Run(self._store_path)
 
     def step(self) -> None:
         """Close the current step: compute its statistics if it is due, then advance.

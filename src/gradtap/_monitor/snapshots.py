@@ -68,7 +68,7 @@ class Snapshots:
             return None
         names = [n for n, _ in params if n in self._prev_param]
         cur = [p for n, p in params if n in self._prev_param]
-        return names, cur, torch._foreach_sub(cur, [self._prev_param[n] for n in names])
+        return names, cur, list(torch._foreach_sub(cur, [self._prev_param[n] for n in names]))
 
     def queue_ratio(self, cur: Sequence[Tensor], diffs: Sequence[Tensor],
                     copy: HostCopy) -> Callable[[], np.ndarray]:

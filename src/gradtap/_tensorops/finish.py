@@ -61,7 +61,7 @@ def unreliable_m2(count: np.ndarray, fields: Fields) -> np.ndarray:
     """Rows whose ``sumsq - sum**2 / n`` may have lost digits (mean**2 > 99% of the mean
     square, finite, more than one element): they need ``centered_moments``."""
     m = Moments.coerce(fields)
-    s, q = m.sum, m.sumsq
+    s, q = m["sum"], m["sumsq"]
     # Written without division: Inf and NaN rows compare False and raise no warning.
     return np.flatnonzero((count > 1) & (s * s > _EXACT_SHARE * q * count))
 
@@ -97,11 +97,11 @@ def complete_fields(
     later = HostCopy()
     lazy_nf = None
     if needs.lazy_nonfinite:
-        flagged = np.flatnonzero(~np.isfinite(m.max) | ~np.isfinite(m.negmin))
+        flagged = np.flatnonzero(~np.isfinite(m["max"]) | ~np.isfinite(m["negmin"]))
         m.nonfinite = np.zeros(len(count))
         if len(flagged):
             lazy_nf = (flagged, later.add(torch.stack(
-                [(~torch.isfinite(tensors[i].detach())).sum() for i in flagged])))
+                [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
     unreliable = unreliable_m2(count, m) if needs.std else np.zeros(0, dtype=np.int64)
     rows = exact[0] if exact is not None else np.zeros(0, dtype=np.int64)
     ef = Moments.coerce(exact[1]) if exact is not None else None
@@ -109,12 +109,12 @@ def complete_fields(
     gather = None
     if len(missing):
         # Looked up on the module at call time, like every caller of centered_moments.
-        groups = _moments.centered_moments([tensors[i] for i in missing], scratch=scratch)
+        groups = _moments.centered_moments([tensors[int(i)] for i in missing], scratch=scratch)
         gather = host_moments(groups, len(missing), later)
     if lazy_nf is not None or gather is not None:
         later.run()  # only steps with NaN/Inf or a dominant mean pay for this transfer
     if lazy_nf is not None:
-        m.nonfinite[lazy_nf[0]] = later.get(lazy_nf[1])
+        m["nonfinite"][lazy_nf[0]] = later.get(lazy_nf[1])
     if gather is not None:
         extra = gather()
         rows = np.concatenate([rows, missing])
@@ -177,29 +177,27 @@ def finish_stats(
     n = count.astype(np.float64)
     out: dict[str, np.ndarray] = {}
     with np.errstate(all="ignore"):
-        nan = None
-        if m.max is not None:
-            nan = np.isnan(m.max) | np.isnan(m.negmin)
+        nan = (np.isnan(m["max"]) | np.isnan(m["negmin"])) if m.max is not None else np.False_
         for stat in stats:
             if stat == "mean":
-                out[stat] = m.sum / n
+                out[stat] = m["sum"] / n
             elif stat == "std":
-                m2 = m.m2
+                m2 = m["m2"]
                 if m.between is not None:
-                    m2 = m2 + np.maximum(m.between - m.sum * m.sum / n, 0.0)
+                    m2 = m2 + np.maximum(m.between - m["sum"] * m["sum"] / n, 0.0)
                 out[stat] = np.sqrt(m2 / n)
             elif stat == "norm":
-                out[stat] = np.sqrt(m.sumsq)
+                out[stat] = np.sqrt(m["sumsq"])
             elif stat == "absmax":
-                out[stat] = np.where(nan, np.nan, np.maximum(m.max, m.negmin))
+                out[stat] = np.where(nan, np.nan, np.maximum(m["max"], m["negmin"]))
             elif stat == "max":
-                out[stat] = np.where(nan, np.nan, m.max)
+                out[stat] = np.where(nan, np.nan, m["max"])
             elif stat == "min":
-                out[stat] = np.where(nan, np.nan, -m.negmin)
+                out[stat] = np.where(nan, np.nan, -m["negmin"])
             elif stat == "nonfinite":
-                out[stat] = m.nonfinite
+                out[stat] = m["nonfinite"]
             elif stat == "zero_frac":
-                out[stat] = (n - m.nonzero) / n
+                out[stat] = (n - m["nonzero"]) / n
             else:  # pragma: no cover - check_stats rejects it first
                 raise ValueError(f"unknown stat {stat!r}")
     return out

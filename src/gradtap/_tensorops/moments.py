@@ -123,7 +123,8 @@ class Moments(Generic[A]):
             unknown = sorted(set(fields) - cls._KNOWN)
             raise KeyError(f"unknown moment field(s) {unknown}; fields are {cls.NAMES}")
         if "shift" not in fields and "csum" not in fields and "m2c" not in fields:
-            return cls(**fields)
+            plain: dict[str, Any] = dict(fields)  # only plain fields here: checked above
+            return cls(**plain)
         parts = [f for f in cls._CENTERED if f in fields]
         if len(parts) != 3:
             raise KeyError(f"centered fields come together (shift, csum, m2c); got {parts}")

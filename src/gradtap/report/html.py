@@ -392,9 +392,9 @@ def _ewma(data: ReportData) -> str:
             rows.append(f"<tr><td><code>{escape(name)}</code></td><td>{escape(_shape(e.get('shape')))}"
                         f"</td><td>{e.get('updates')}</td><td>{_value(e.get('mean_norm'))}</td>"
                         f"<td>{_value(rms_std)}</td><td>{_value(snr)}</td></tr>")
-        poisoned = sum(1 for e in data.ewma.values()
-                       if not math.isfinite(e.get("mean_norm") if isinstance(
-                           e.get("mean_norm"), float) else math.nan))
+        poisoned = len([e for e in data.ewma.values()
+                        if not (isinstance(e.get("mean_norm"), float)
+                                and math.isfinite(e["mean_norm"]))])
         if poisoned:
             html += (f'<div class="callout warn">The Monitor\'s EWMA state is NaN for {poisoned} of '
                      f"{len(data.ewma)} parameters: a non-finite gradient entered it (see "
