@@ -11,8 +11,8 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from gradtap._text import format_number, format_table
 

@@ -15,8 +15,8 @@ communicated.
 from __future__ import annotations
 
 import zlib
-from typing import Any
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
