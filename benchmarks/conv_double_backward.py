@@ -9,6 +9,9 @@ The benchmark times, side by side in one interleaved run on a small CNN
 * the penalty step with native convolutions and under ``gt.explicit_conv(model)``,
 * one gradient and one ``gt.hvp`` (each including its forward pass), native and explicit.
 
+Cases are timed in interleaved rounds (``_harness.interleaved``); every ratio is the median over
+rounds of one case's time over the other's in the same round.
+
 Run: ``.venv/bin/python benchmarks/conv_double_backward.py [--quick] [--device cuda] [--threads N]``.
 """
 
@@ -26,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table, time_variants  # noqa: E402
+from _harness import Timing, interleaved, machine, markdown_table, paired  # noqa: E402
 
 
 def small_cnn(
@@ -86,12 +89,11 @@ def make_cases(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, 
     }
 
 
-def table(medians: dict[str, float]) -> str:
-    plain = medians["plain forward+backward (native)"]
-    rows = [[name, f"{t * 1e3:.2f}", f"{t / plain:.2f}"] for name, t in medians.items()]
-    pen = medians["gradient-norm penalty, explicit"] / medians["gradient-norm penalty, native"]
-    hvp_native = medians["hvp (one), native"] / medians["gradient (one), native"]
-    hvp_explicit = medians["hvp (one), explicit"] / medians["gradient (one), explicit"]
+def table(timings: dict[str, Timing]) -> str:
+    rows = [[name, f"{t.seconds * 1e3:.2f}", f"{t.ratio:.2f}"] for name, t in timings.items()]
+    pen = paired(timings["gradient-norm penalty, explicit"], timings["gradient-norm penalty, native"])
+    hvp_native = paired(timings["hvp (one), native"], timings["gradient (one), native"])
+    hvp_explicit = paired(timings["hvp (one), explicit"], timings["gradient (one), explicit"])
     return "\n".join(
         [
             markdown_table(["case", "time per step (ms)", "x plain fwd+bwd"], rows),
@@ -107,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (a few seconds)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=40, help="timed calls per case")
+    parser.add_argument("--rounds", type=int, default=40,
+                        help="interleaved rounds, one timed call per case in each")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args(argv)
@@ -118,23 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model, x, y = small_cnn(batch, device)
     cases = make_cases(model, x, y)
-    if device.type == "cuda":
-        cases = {name: _synchronized(fn) for name, fn in cases.items()}
-    medians = time_variants(cases, steps=1, rounds=rounds, warmup=warmup)
-    print(
-        f"conv_double_backward: device={device.type}, batch={batch}, rounds={rounds}, "
-        f"threads={torch.get_num_threads()}, torch {torch.__version__}\n"
-    )
-    print(table(medians))
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    timings = interleaved(cases, steps=1, rounds=rounds, warmup=warmup,
+                          base="plain forward+backward (native)", sync=sync)
+    print(f"{machine(device)}; device {device.type}, batch {batch}, {rounds} interleaved rounds "
+          "of one call per case; ratios are medians over rounds of paired ratios\n")
+    print(table(timings))  # type: ignore[arg-type]  # no case is a maker, so none fails
     return 0
-
-
-def _synchronized(fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize()
-
-    return run
 
 
 if __name__ == "__main__":

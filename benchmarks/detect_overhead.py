@@ -8,9 +8,9 @@ a replay would run only after an anomaly, so never here), with ``det.check_loss(
 ``det.step()`` each step; the same with ``screen="modules"`` (every module's outputs and
 their gradients screened too); the same with ``replay=False`` (every call captured as it runs);
 the same with ``spike=10`` (which uses the per-call watch); and the step inside
-``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in
-interleaved rounds (A B C A B C ...), median per step; each ratio is the median over rounds of
-the variant's time over the plain step's in the same round (a paired comparison: drift between
+``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in interleaved rounds
+by ``_harness.interleaved``, median per step; each ratio is the median over rounds of the
+variant's time over the plain step's in the same round (a paired comparison: drift between
 rounds on a noisy machine cancels). Each variant's hooks exist only while it runs.
 
 Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, and a deep narrow net
@@ -20,6 +20,7 @@ Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, and a deep 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table, paired_ratios  # noqa: E402
+from _harness import Timing, interleaved, machine, markdown_table, steps_for  # noqa: E402
 from gradtap._detect._screen import Screen  # noqa: E402
 
 
@@ -92,25 +93,6 @@ VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] =
 }
 
 
-def _interleaved(model: nn.Module, x: Tensor, y: Tensor, *, steps: int, rounds: int
-                 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per step of each variant, and the median over rounds of its ratio to
-    the plain step of the same round, in interleaved rounds (round 0 is warmup)."""
-    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for r in range(rounds + 1):
-        for name, make in VARIANTS.items():
-            fn = make(model, x, y)
-            fn()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            elapsed = (time.perf_counter() - start) / steps
-            getattr(fn, "cleanup", lambda: None)()
-            if r:
-                samples[name].append(elapsed)
-    return {name: statistics.median(v) for name, v in samples.items()}, paired_ratios(samples)
-
-
 def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
     """Median seconds per step spent inside the default screen's hooks and check, timed around
     each of them: the screen's own cost, without the noise of whole-step timings (the timers
@@ -144,13 +126,11 @@ def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
     return statistics.median(per_step)
 
 
-def _steps_for(model: nn.Module, x: Tensor, y: Tensor, budget: float, cap: int) -> int:
-    """Steps per round so that one variant's round takes about ``budget`` seconds."""
-    step = _plain(model, x, y)
-    step()
-    start = time.perf_counter()
-    step()
-    return max(2, min(cap, int(budget / max(time.perf_counter() - start, 1e-6))))
+def _timings(results: dict[str, Timing | str]) -> dict[str, Timing]:
+    failed = {k: v for k, v in results.items() if isinstance(v, str)}
+    if failed:
+        raise RuntimeError(f"variants failed: {failed}")
+    return results  # type: ignore[return-value]
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -172,19 +152,22 @@ def main(argv: Sequence[str] | None = None) -> str:
     rows = []
     for label, build in builders.items():
         model, x, y = build()
-        steps = 1 if args.quick else _steps_for(model, x, y, budget=0.3, cap=10)
-        t, ratio = _interleaved(model, x, y, steps=steps, rounds=rounds)
+        steps = 1 if args.quick else steps_for(_plain(model, x, y), budget=0.3, cap=10)
+        # Each variant's hooks exist only while it runs (a fresh detector every round).
+        makers = {name: functools.partial(make, model, x, y) for name, make in VARIANTS.items()}
+        t = _timings(interleaved(makers, steps=steps, rounds=rounds, warmup=steps, fresh=True))
 
-        def cell(name: str, t: dict[str, float] = t, ratio: dict[str, float] = ratio) -> str:
-            return f"{t[name] * 1e3:.2f} ms ({ratio[name]:.2f}x)"
+        def cell(name: str, t: dict[str, Timing] = t) -> str:
+            return f"{t[name].seconds * 1e3:.2f} ms ({t[name].ratio:.2f}x)"
 
-        def share(name: str, ratio: dict[str, float] = ratio) -> str:
-            ref = ratio["anomaly"] - 1.0
-            return f"{(ratio[name] - 1.0) / ref:.2f}" if ref > 0 else "-"
+        def share(name: str, t: dict[str, Timing] = t) -> str:
+            ref = t["anomaly"].ratio - 1.0
+            return f"{(t[name].ratio - 1.0) / ref:.2f}" if ref > 0 else "-"
 
         inside = _screen_time(model, x, y, steps=3 if args.quick else 40)
-        rows.append([label, f"{t['plain'] * 1e3:.2f} ms ({steps} steps)", cell("detect"),
-                     f"{inside * 1e6:.0f} us ({inside / t['plain']:.1%})",
+        plain = t["plain"].seconds
+        rows.append([label, f"{plain * 1e3:.2f} ms ({steps} steps)", cell("detect"),
+                     f"{inside * 1e6:.0f} us ({inside / plain:.1%})",
                      cell("detect_modules"), cell("detect_calls"), cell("detect_spike"),
                      cell("anomaly"), f"{share('detect')} / {share('detect_modules')} / "
                      f"{share('detect_calls')} / {share('detect_spike')}"])
@@ -193,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> str:
               "gt.detect(replay=False)", "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
               "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)"]
     table = markdown_table(header, rows)
-    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; median of {rounds} "
+    print(f"{machine()}; median of {rounds} "
           "interleaved rounds (steps per round in the plain column); each ratio is the median "
           "over rounds of the variant's time over the plain step's in the same round; 'inside' is "
           "the median time per step spent in the default screen's hooks and check, over the "

@@ -13,9 +13,9 @@ times one training step (forward, cross-entropy, backward, AdamW step, zero_grad
   aminmax per tensor, one foreach L2 norm without the monitor's blocking for accuracy) and
   one host copy, with no bookkeeping: about the floor that torch's unfused kernels allow.
 
-Variants are interleaved round by round so that machine noise hits them alike; the table gives
-the median time per step and the median over rounds of its ratio to ``plain`` in the same
-round. A second table gives the growth of the process's resident memory over many monitored
+Variants are interleaved round by round (``_harness.interleaved``) so that machine noise hits
+them alike; the table gives the median time per step and the median over rounds of its ratio
+to ``plain`` in the same round; ``bare kernels`` is the floor. A second table gives the growth of the process's resident memory over many monitored
 steps (kept in memory, and with a store).
 
     python benchmarks/monitor_overhead.py            # full run
@@ -25,10 +25,8 @@ steps (kept in memory, and with a store).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -39,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table, paired_ratios  # noqa: E402
+from _harness import Timing, interleaved, machine, markdown_table, rss_bytes  # noqa: E402
 
 VARIANTS = ("plain", "monitor", "+store", "naive loop", "bare kernels")
 
@@ -91,9 +89,8 @@ def _optimizer(model: torch.nn.Module, quick: bool) -> object:
 
 
 def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int, steps: int,
-                warmup: int, quick: bool = False) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per step of each variant on one model, and the median over rounds of
-    its time over ``plain``'s in the same round."""
+                warmup: int, quick: bool = False) -> dict[str, Timing]:
+    """Each variant's :class:`Timing` on one model (ratios to ``plain``)."""
     model, x, y = build()
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = _optimizer(model, quick)
@@ -101,8 +98,14 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
     tmp = tempfile.TemporaryDirectory()
     mon_store = gt.Monitor(model, store=Path(tmp.name) / "run")
 
-    def train_step() -> None:
-        F.cross_entropy(model(x), y).backward()
+    def train_step(after: Callable[[], object]) -> Callable[[], None]:
+        def step() -> None:
+            F.cross_entropy(model(x), y).backward()
+            after()
+            opt.step()
+            opt.zero_grad()
+
+        return step
 
     after: dict[str, Callable[[], object]] = {
         "plain": lambda: None,
@@ -111,35 +114,14 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
         "naive loop": lambda: _naive_stats(model),
         "bare kernels": lambda: _bare_kernels(model),
     }
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    totals: dict[str, list[float]] = {v: [] for v in VARIANTS}  # per round
     try:
-        for r in range(rounds + 1):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-            for v in order:
-                n = warmup if r == 0 else steps
-                for _ in range(n):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    train_step()
-                    after[v]()
-                    opt.step()
-                    opt.zero_grad()
-                    _sync(device)
-                    if r:
-                        times[v].append(time.perf_counter() - t0)
-                if r:
-                    totals[v].append(sum(times[v][-steps:]))
+        result = interleaved({v: train_step(after[v]) for v in VARIANTS}, steps=steps,
+                             rounds=rounds, warmup=warmup, sync=lambda: _sync(device))
     finally:
         mon.close()
         mon_store.close()
         tmp.cleanup()
-    return {v: statistics.median(t) for v, t in times.items()}, paired_ratios(totals)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    return result  # type: ignore[return-value]  # no variant is a maker, so none fails
 
 
 def memory_growth(build: Callable, *, device: torch.device, steps: int, store: bool,
@@ -158,8 +140,8 @@ def memory_growth(build: Callable, *, device: torch.device, steps: int, store: b
             opt.step()
             opt.zero_grad()
             if i + 1 == first:
-                start = _rss_bytes()
-        end = _rss_bytes()
+                start = rss_bytes()
+        end = rss_bytes()
         mon.close()
     assert start is not None
     grown = end - start
@@ -211,10 +193,10 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     rows = []
     for name, build in models:
         n_params = sum(p.numel() for p in build()[0].parameters())
-        med, ratio = bench_model(name, build, device=device, rounds=rounds, steps=steps,
-                                 warmup=warmup, quick=args.quick)
-        rows.append([name, f"{n_params / 1e6:.2f}M", f"{med['plain'] * 1e3:.2f} ms"] + [
-            f"{med[v] * 1e3:.2f} ms ({ratio[v]:.3f}x)" for v in VARIANTS[1:]])
+        t = bench_model(name, build, device=device, rounds=rounds, steps=steps, warmup=warmup,
+                        quick=args.quick)
+        rows.append([name, f"{n_params / 1e6:.2f}M", f"{t['plain'].seconds * 1e3:.2f} ms"] + [
+            f"{t[v].seconds * 1e3:.2f} ms ({t[v].ratio:.3f}x)" for v in VARIANTS[1:]])
     timing = markdown_table(["model", "params", *VARIANTS], rows)
 
     mem_rows = []
@@ -225,9 +207,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
                          f"{per_step:.0f} B"])
     memory = markdown_table(["history", f"RSS growth over {mem_steps} steps ({models[0][0]})", "per step"],
                             mem_rows)
-    print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"median step time of {rounds} interleaved rounds x {steps} steps per variant, and "
-          "(in brackets) the median over rounds of its ratio to plain in the same round; "
+    print(f"{machine(device)}; device {device}; median over {rounds} interleaved rounds of the "
+          f"step time (rounds of {steps} steps per variant), and (in brackets) the median over "
+          "rounds of its ratio to plain in the same round; "
           f"{'plain SGD' if args.quick else 'AdamW'}; monitor = default stats on every "
           "parameter gradient, every step\n")
     print(timing)

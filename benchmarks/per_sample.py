@@ -9,13 +9,14 @@ for norms only and for the variance only; BackPACK's ``BatchGrad``, ``BatchL2Gra
 note. Every step is ``cross_entropy(model(x), y)`` with the mean over the batch.
 
 Time: median seconds per step over interleaved rounds (every method once per round, so
-drift on a shared machine hits all alike), in this process. Peak memory: the peak resident
-set size (``VmHWM``) over three steps minus the resident size before the model was built,
-so what a method keeps between steps counts; the peak is reset (``/proc/self/clear_refs``)
-after two warmup steps, and freed heap memory is returned (``malloc_trim``) before the
-build and before the reset. Without ``--quick`` each
-configuration's memory is measured in its own fresh subprocess; with ``--quick`` in this
-process (a smoke test of the script). The ResNet's blocks run out of place (``out = out +
+drift on a shared machine hits all alike, ``_harness.interleaved``), in this process; "x
+plain" is the median over rounds of the method's time over the plain step's in the same
+round. Peak memory (``_harness.peak_memory_mib``): the peak resident set size (``VmHWM``) over
+three steps minus the resident size before the model was built, so what a method keeps
+between steps counts; the peak is reset (``/proc/self/clear_refs``) after two warmup steps,
+and freed heap memory is returned (``malloc_trim``) before the build and before the reset.
+Without ``--quick`` each configuration's memory is measured in its own fresh subprocess; with
+``--quick`` in this process (a smoke test of the script). The ResNet's blocks run out of place (``out = out +
 identity``, ``ReLU(inplace=False)``): both anchors raise on in-place ops after hooked modules.
 
 ``--methods`` prints, instead, the measurements behind the convolution rule's choice between
@@ -25,14 +26,9 @@ its ``unfold`` and ``conv`` formulations.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +40,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table, time_variants  # noqa: E402
+from _harness import child_json, interleaved, machine, markdown_table, peak_memory_mib  # noqa: E402
 from gradtap import examples  # noqa: E402
 
 MODELS = ("mlp", "cnn", "resnet18_gn", "transformer")
@@ -252,47 +248,23 @@ def build(method: str, model_name: str, quick: bool) -> tuple[Step | None, str, 
 # --------------------------------------------------------------------------------------------
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Return freed heap to the OS, reset ``VmHWM`` to the current RSS and return it."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
 def measured_build(method: str, model_name: str, quick: bool) -> tuple[Step | None, str, float | None]:
-    """Build ``method``, warm it up, run it: ``(step, note, peak RSS increase in MiB)``.
+    """Build ``method`` and measure it: ``(step, note, peak RSS increase in MiB)``
+    (see ``_harness.peak_memory_mib``)."""
+    built: list[tuple[Step | None, str, nn.Module]] = []
 
-    The increase is over the resident size before the build, so memory a method keeps
-    between steps counts; the peak is reset after two warmup steps, so one-time costs of a
-    first call do not.
-    """
-    before = _reset_peak()
-    step, note, _ = build(method, model_name, quick)  # runs one step
-    if step is None:
-        return None, note, None
-    step()
-    _reset_peak()
-    for _ in range(1 if quick else 3):
-        step()
-    return step, note, (_status("VmHWM") - before) / 2**20
+    def make() -> Step | None:
+        built.append(build(method, model_name, quick))  # runs one step
+        return built[0][0]
+
+    peak = peak_memory_mib(make, steps=1 if quick else 3)
+    return built[0][0], built[0][1], peak
 
 
 def peak_memory_subprocess(method: str, model_name: str) -> float | None:
-    cmd = [sys.executable, __file__, "--_memory", model_name, method]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+    """``measured_build``'s peak memory, measured in a fresh process."""
+    doc = child_json(__file__, "--_memory", model_name, method)
+    return None if doc is None else doc["peak_mib"]  # type: ignore[index]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -313,16 +285,17 @@ def run_model(model_name: str, quick: bool) -> str:
             memory[method] = None if step is None else peak_memory_subprocess(method, model_name)
         if step is not None:
             steps[method] = step
-    timing = time_variants(steps, steps=1 if quick else 3, rounds=1 if quick else 5,
-                           warmup=0 if quick else 1)
-    base_t, base_m = timing["plain step"], memory["plain step"]
+    timing = interleaved(steps, steps=1 if quick else 3, rounds=1 if quick else 5,
+                         warmup=0 if quick else 1, base="plain step")
+    base_m = memory["plain step"]
     rows = []
     for method in METHODS:
         t, m = timing.get(method), memory[method]
+        assert not isinstance(t, str)  # steps that fail to build are left out above
         rows.append([
             method,
-            _fmt(t * 1e3 if t is not None else None),
-            _fmt(t / base_t if t is not None else None, 2),
+            _fmt(t.seconds * 1e3 if t is not None else None),
+            _fmt(t.ratio if t is not None else None, 2),
             _fmt(m),
             _fmt(m / base_m if m is not None and base_m else None, 2),
             notes[method],
@@ -353,9 +326,11 @@ def conv_methods(quick: bool) -> str:
         go = torch.randn_like(layer(x))
         fns = {m: (lambda m=m, layer=layer, x=x, go=go: grad_conv(layer, x, go, names, method=m))
                for m in ("unfold", "conv")}
-        t = time_variants(fns, steps=1 if quick else 3, rounds=1 if quick else 5, warmup=1)
+        timing = interleaved(fns, steps=1 if quick else 3, rounds=1 if quick else 5, warmup=1,
+                             base=None)
+        t = {m: v.seconds for m, v in timing.items() if not isinstance(v, str)}
         chosen = choose_method(_problem(layer, x, go))
-        faster = min(t, key=t.get)
+        faster = min(t, key=t.__getitem__)
         rows.append([f"{cls.__name__}({cin}, {cout}, {k}, stride={s}, groups={groups})",
                      f"{n}x{sp}^{layer.weight.dim() - 2}", _fmt(t["unfold"] * 1e3, 2),
                      _fmt(t["conv"] * 1e3, 2), faster, chosen])
@@ -376,22 +351,19 @@ def main(argv: list[str] | None = None) -> str:
         _, _, peak = measured_build(args._memory[1], args._memory[0], False)
         print(json.dumps({"peak_mib": peak}))
         return ""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(machine(), flush=True)
     if args.methods:
         text = conv_methods(args.quick)
         print(text, flush=True)
         return text
     tables = []
     for name in args.models.split(","):
-        start = time.perf_counter()
         with warnings.catch_warnings():
             # The anchors warn about modules they skip (the note column says so) and about
             # full backward hooks on the first layer; torch.func about ops run as loops.
             warnings.simplefilter("ignore")
             tables.append(run_model(name, args.quick))
-        print(tables[-1], flush=True)
-        print(f"\n({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
+        print(tables[-1] + "\n", flush=True)
     return "\n\n".join(tables)
 
 

@@ -23,12 +23,10 @@ tcmalloc), for every variant alike; ``both`` (the default) prints the two tables
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import resource
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _timing import markdown_table, paired_ratios  # noqa: E402
+from _harness import Timing, interleaved, machine, markdown_table  # noqa: E402
 
 # glibc malloc tunables: never return freed heap memory to the OS, never mmap a block.
 NO_TRIM_ENV = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**31)}
@@ -107,47 +105,6 @@ def _with_tap(model, x, y) -> Callable[[], None]:
     return step
 
 
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _interleaved(model, x, y, *, steps: int,
-                 rounds: int) -> dict[str, tuple[float, float, float] | str]:
-    """Per variant: (median seconds per step, its paired ratio to the plain step, minor page
-    faults per step), timed in interleaved rounds, or why it cannot run. Each variant's hooks
-    are installed only while it runs, so they cannot slow the others down."""
-    makers = {"plain": lambda: _step(model, x, y), "hooks": lambda: _with_full_hooks(model, x, y),
-              "kept": lambda: _with_kept_grads(model, x, y), "tap": lambda: _with_tap(model, x, y)}
-    samples: dict[str, list[float]] = {name: [] for name in makers}
-    faults: dict[str, list[float]] = {name: [] for name in makers}
-    errors: dict[str, str] = {}
-    for r in range(rounds + 1):  # round 0 is warmup
-        for name, make in makers.items():
-            if name in errors:
-                continue
-            fn = make()
-            if isinstance(fn, str):
-                errors[name] = fn
-                continue
-            fn()
-            before = _minor_faults()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            elapsed = (time.perf_counter() - start) / steps
-            faulted = (_minor_faults() - before) / steps
-            getattr(fn, "cleanup", lambda: None)()
-            if r:
-                samples[name].append(elapsed)
-                faults[name].append(faulted)
-    ratios = paired_ratios({k: v for k, v in samples.items() if v})
-    out: dict[str, tuple[float, float, float] | str] = {
-        k: (statistics.median(v), ratios[k], statistics.median(faults[k]))
-        for k, v in samples.items() if v}
-    out.update(errors)
-    return out
-
-
 def _table(args: argparse.Namespace) -> str:
     steps, rounds = (2, 1) if args.quick else (args.steps, args.rounds)
     builders = {"MLP 784-512x3-10, batch 128": _models.mlp,
@@ -160,20 +117,23 @@ def _table(args: argparse.Namespace) -> str:
     rows = []
     for label, build in builders.items():
         model, x, y = build()
-        t = _interleaved(model, x, y, steps=steps, rounds=rounds)
+        # Each variant's hooks are installed only while it runs, so they cannot slow the others.
+        makers = {name: functools.partial(make, model, x, y) for name, make in
+                  (("plain", _step), ("hooks", _with_full_hooks), ("kept", _with_kept_grads),
+                   ("tap", _with_tap))}
+        t = interleaved(makers, steps=steps, rounds=rounds, warmup=steps, fresh=True, faults=True)
 
-        def cell(v: tuple[float, float, float] | str) -> str:
+        def cell(v: Timing | str) -> str:
             if isinstance(v, str):
                 return v
-            return f"{v[0] * 1e3:.2f} ms ({v[1]:.2f}x), {v[2]:.0f} faults"
+            return f"{v.seconds * 1e3:.2f} ms ({v.ratio:.2f}x), {v.faults:.0f} faults"
 
         rows.append([label, cell(t["plain"]), cell(t["hooks"]), cell(t["kept"]), cell(t["tap"])])
     malloc = "glibc malloc, no trim (" + ", ".join(f"{k}={v}" for k, v in NO_TRIM_ENV.items()) + \
         ")" if all(os.environ.get(k) == v for k, v in NO_TRIM_ENV.items()) else "default allocator"
-    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {malloc}; median "
-          f"of {rounds} interleaved rounds of {steps} steps each; ratio = median over rounds of "
-          "the variant's time over the plain step's in the same round; faults = minor page "
-          "faults per step", flush=True)
+    print(f"{machine()}, {malloc}; median of {rounds} interleaved rounds of {steps} steps "
+          "each; ratio = median over rounds of the variant's time over the plain step's in the "
+          "same round; faults = minor page faults per step", flush=True)
     table = markdown_table(HEADER, rows)
     print(table, flush=True)
     return table

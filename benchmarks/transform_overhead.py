@@ -1,10 +1,11 @@
 """Overhead of gradient transforms: normalize + clip_norm on every conv weight vs a plain step.
 
 One command, every variant side by side in one run (rounds interleave the variants so that
-machine noise hits them alike). A step is forward + backward + ``SGD.step()`` +
-``zero_grad()`` of ``small_cnn`` (benchmarks/_models.py) on one batch; each variant has its
-own copy of the model, from the same initialization. The table reports the median time per
-step over rounds and its ratio to the plain step. Goal: at most 1.10x on CPU.
+machine noise hits them alike, ``_harness.interleaved``). A step is forward + backward +
+``SGD.step()`` + ``zero_grad()`` of ``small_cnn`` (benchmarks/_models.py) on one batch; each
+variant has its own copy of the model, from the same initialization. The table reports the
+median time per step over rounds and the median over rounds of its time over the plain step's
+in the same round. Goal: at most 1.10x on CPU.
 
     python benchmarks/transform_overhead.py            # full run
     python benchmarks/transform_overhead.py --quick    # seconds, for tests
@@ -15,9 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gradtap as gt  # noqa: E402
+from _harness import interleaved, machine, markdown_table  # noqa: E402
 from _models import small_cnn  # noqa: E402
 
 WHENS = ("accumulate", "backward", "step")
@@ -50,31 +50,21 @@ def _make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, when: str | N
 
 
 def run(batch: int, rounds: int, steps: int, warmup: int) -> list[tuple[str, float, float]]:
-    """Return ``[(variant, median seconds per step, ratio to plain)]``."""
+    """Return ``[(variant, median seconds per step, paired ratio to plain)]``."""
     base, x, y = small_cnn(batch=batch)
     variants: dict[str, Callable[[], None]] = {"plain step": _make_step(copy.deepcopy(base), x, y, None)}
     for when in WHENS:
         variants[f"normalize+clip_norm, when={when!r}"] = _make_step(copy.deepcopy(base), x, y, when)
-    for step in variants.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(rounds):
-        names = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in names:
-            step = variants[name]
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times[name].append((time.perf_counter() - start) / steps)
-    plain = statistics.median(times["plain step"])
-    return [(name, statistics.median(t), statistics.median(t) / plain) for name, t in times.items()]
+    timings = interleaved(variants, steps=steps, rounds=rounds, warmup=warmup, base="plain step")
+    return [(name, t.seconds, t.ratio) for name, t in timings.items()
+            if not isinstance(t, str)]
 
 
 def table(rows: list[tuple[str, float, float]], header: str) -> str:
-    lines = [header, "", "| variant | ms / step | ratio vs plain |", "|---|---:|---:|"]
-    lines += [f"| {name} | {sec * 1e3:.2f} | {ratio:.3f}x |" for name, sec, ratio in rows]
-    return "\n".join(lines)
+    body = markdown_table(["variant", "ms / step", "ratio vs plain"],
+                          [[name, f"{sec * 1e3:.2f}", f"{ratio:.3f}x"] for name, sec, ratio in rows],
+                          align="lrr")
+    return f"{header}\n\n{body}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,13 +79,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = args.batch or (4 if quick else 64)
     rounds = args.rounds or (2 if quick else 15)
     steps = args.steps or (1 if quick else 5)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    rows = run(batch, rounds, steps, warmup=1 if quick else 3)
-    header = (
-        f"small_cnn, batch {batch}, CPU, {args.threads} thread(s), torch {torch.__version__}, "
-        f"median of {rounds} rounds x {steps} steps; rule: every conv weight -> "
-        "chain(normalize(0.99), clip_norm(1.0))"
-    )
+    try:
+        rows = run(batch, rounds, steps, warmup=1 if quick else 3)
+        header = (
+            f"{machine()}; small_cnn, batch {batch}, CPU; median of {rounds} interleaved rounds "
+            f"x {steps} steps, ratio paired per round; rule: every conv weight -> "
+            "chain(normalize(0.99), clip_norm(1.0))"
+        )
+    finally:
+        torch.set_num_threads(threads)  # run_all runs the next benchmark in this process
     print(table(rows, header))
     return 0
 

@@ -3,7 +3,7 @@
 The question this project started from: "give the conv kernels a new gradient computed from
 the history of their gradients (running mean and variance)". Here each conv weight and bias
 gradient is divided elementwise by the running std of its own past values
-(``gt.normalize``, DESIGN.md's EWMA), then bounded with ``gt.clip_norm``; the linear
+(``gt.normalize``, the EWMA of docs/semantics.md), then bounded with ``gt.clip_norm``; the linear
 classifier keeps its plain gradient. The same conv net, from the same initialization and on
 the same mini-batches, is trained with plain SGD and with the moderated conv gradients, on
 scikit-learn's bundled 8x8 digits (no download). Both loss curves are printed.

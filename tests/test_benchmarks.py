@@ -24,3 +24,45 @@ def test_run_all_rejects_unknown(capsys):
     with pytest.raises(SystemExit):
         importlib.import_module("run_all").main(["no_such_benchmark"])
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_docs_hold_one_block_per_benchmark():
+    run_all = importlib.import_module("run_all")
+    doc = run_all.DOCS.read_text()
+    for name in run_all.ORDER:
+        assert doc.count(f"<!-- begin {name} -->") == 1 and doc.count(f"<!-- end {name} -->") == 1
+        assert doc.index(f"<!-- begin {name} -->") < doc.index(f"<!-- end {name} -->")
+
+
+def test_a_full_run_rewrites_only_its_blocks(tmp_path, monkeypatch, capsys):
+    run_all = importlib.import_module("run_all")
+    (tmp_path / "fake_bench.py").write_text(
+        "def main(argv):\n"
+        "    print('machine line; ' + ' '.join(argv))\n"
+        "    print('| a | b |')\n"
+        "    print('|---|---|')\n"
+        "    print('| 1 | 2 |')\n"
+        "    return 0\n")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nintro\n\n<!-- begin fake_bench -->\nold figures\n"
+                    "<!-- end fake_bench -->\n\n<!-- begin other -->\nkept\n<!-- end other -->\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    monkeypatch.setattr(run_all, "ORDER", ["fake_bench"])
+    monkeypatch.setattr(run_all, "DOCS", docs)
+    before = docs.read_text()
+    assert run_all.main(["--quick"]) == 0 and docs.read_text() == before  # quick: no docs
+    assert run_all.main(["--no-docs"]) == 0 and docs.read_text() == before
+    assert run_all.main([]) == 0
+    text = docs.read_text()
+    assert "old figures" not in text and "intro" in text and "kept" in text
+    block = text[text.index("<!-- begin fake_bench -->"):text.index("<!-- end fake_bench -->")]
+    assert "Command: `python benchmarks/fake_bench.py`" in block and "Machine: " in block
+    assert "machine line;\n\n| a | b |\n|---|---|\n| 1 | 2 |\n" in block  # blank line before a table
+    assert "machine line; --quick" in capsys.readouterr().out  # printed as it ran
+
+
+def test_a_block_missing_from_the_docs_is_appended():
+    run_all = importlib.import_module("run_all")
+    out = run_all.replace_block("# B\n", "x", "<!-- begin x -->\nnew\n<!-- end x -->")
+    assert out == "# B\n\n## x\n\n<!-- begin x -->\nnew\n<!-- end x -->\n"

@@ -400,7 +400,7 @@ def _spike_net() -> nn.Sequential:
 
 def _naive_spikes(norms: list[dict[tuple[str, str], float]], spike: float, warmup: int,
                   beta: float) -> tuple[list[tuple[int, str, str]], dict]:
-    """DESIGN.md's EWMA written as a plain float64 loop; a spiking value is not fed in."""
+    """The EWMA of docs/semantics.md written as a plain float64 loop; a spiking value is not fed in."""
     state: dict[tuple[str, str], list[float]] = {}
     spikes = []
     for step, values in enumerate(norms):

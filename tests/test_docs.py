@@ -12,10 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCTEST_MODULES = ["gradtap.select", "gradtap.capture.taps", "gradtap.capture.listener",
                    "gradtap.capture.engine", "gradtap.capture.hookset", "gradtap.capture.naming",
-                   "gradtap.capture.saved", "gradtap.record", "gradtap._explain",
-                   "gradtap.curvature", "gradtap.functional.explicit", "gradtap.monitor",
-                   "gradtap.store", "gradtap.per_sample.api", "gradtap._registry",
-                   "gradtap.integrations.hf_models"]
+                   "gradtap.capture.saved", "gradtap.capture.graph", "gradtap.record",
+                   "gradtap._explain",
+                   "gradtap.curvature", "gradtap.functional.explicit", "gradtap._monitor.monitor",
+                   "gradtap._monitor.history", "gradtap.store", "gradtap.per_sample.api",
+                   "gradtap._registry", "gradtap.integrations.hf_models",
+                   "gradtap._tensorops.groups", "gradtap._tensorops.host",
+                   "gradtap._tensorops.l2", "gradtap._tensorops.ewma",
+                   "gradtap._tensorops.histograms", "gradtap._tensorops.moments",
+                   "gradtap._tensorops.finish"]
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)

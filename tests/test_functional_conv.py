@@ -213,7 +213,7 @@ def test_forward_and_first_derivatives_match_native(cfg: Cfg) -> None:
 
 
 def test_hypothesis_space_reaches_the_hard_corners() -> None:
-    """The strategy does generate every corner the issue lists (so the tests above cover them)."""
+    """The strategy does generate every listed corner case (so the tests above cover them)."""
     seen: set[str] = set()
 
     @settings(max_examples=300, **SETTINGS)

@@ -14,15 +14,15 @@ PACKAGE = Path(gradtap.__file__).parent
 # Prefixes of dotted module names (relative to gradtap) -> (layer, capability group).
 LAYERS: list[tuple[str, float, str]] = [
     ("errors", 0, "base"), ("_types", 0, "base"), ("_tensorops", 0, "base"),
-    ("_registry", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
+    ("_registry", 0, "base"), ("_text", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
     ("select", 1, "select"),
     ("record", 2, "record"), ("capture", 2.5, "capture"),
     ("_explain", 3, "explain"), ("curvature", 3, "curvature"),
-    ("monitor", 3, "monitor"), ("store", 3, "monitor"), ("export", 3, "monitor"),
-    ("distributed", 3, "monitor"),
+    ("monitor", 3, "monitor"), ("_monitor", 3, "monitor"), ("store", 3, "monitor"),
+    ("export", 3, "monitor"), ("distributed", 3, "monitor"),
     ("_transform", 3, "transform"), ("per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
     ("integrations", 4, "integrations"),
-    ("report", 4, "report"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
+    ("report", 4, "report"), ("demo", 4.5, "demo"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
 ]
 
 
@@ -85,7 +85,7 @@ DOTTED_PATH_EXCEPTIONS = {
     "gradtap.per_sample.rules", "gradtap.per_sample.rules.attention",
     "gradtap.per_sample.rules.conv", "gradtap.per_sample.rules.embedding",
     "gradtap.per_sample.rules.linear", "gradtap.per_sample.rules.norm",
-    "gradtap.per_sample.table",
+    "gradtap.per_sample.table", "gradtap.per_sample.units",
 }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import gradtap as gt
 from gradtap import _tensorops as ops
+from gradtap._tensorops import moments as ops_moments
 from tests._models import assert_no_hooks
 from tests.test_tensorops import assert_stat_close, oracle, oracle_hist, slack
 
@@ -46,7 +47,7 @@ def assert_close_value(actual: float, expected: float, what: str, rtol: float = 
 
 
 def ewma_oracle(seq: list[np.ndarray], beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md's EWMA, elementwise, a loop over steps in float64."""
+    """The EWMA of docs/semantics.md, elementwise, a loop over steps in float64."""
     m = seq[0].astype(np.float64).copy()
     v = np.zeros_like(m)
     for g in seq[1:]:
@@ -332,8 +333,8 @@ def test_local_grads_without_process_group_equal_param_grads():
 
 def test_dominant_mean_is_exact_and_checked_once_then_predicted(monkeypatch):
     calls = []
-    real = ops.centered_moments
-    monkeypatch.setattr(ops, "centered_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ops_moments.centered_moments
+    monkeypatch.setattr(ops_moments, "centered_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
     runs = []
     real_run = ops.HostCopy.run
     monkeypatch.setattr(ops.HostCopy, "run", lambda self: runs.append(1) or real_run(self))

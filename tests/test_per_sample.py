@@ -511,7 +511,7 @@ def test_attention_matches_torch_func(data: st.DataObject) -> None:
     e = heads * data.draw(st.integers(1, 3))
     kdim = data.draw(st.sampled_from([None, 2, 3]))
     weights = data.draw(st.sampled_from(["none", "unused", "used"]))
-    # The fallback splits every input at batch_dim (DESIGN.md); key_padding_mask and the
+    # The fallback splits every input at batch_dim (docs/semantics.md); key_padding_mask and the
     # returned weights are batch-first whatever batch_first says: only batch_first=True there.
     batch_first = weights == "used" or data.draw(st.booleans())
     att = nn.MultiheadAttention(e, heads, bias=data.draw(st.booleans()),
@@ -751,7 +751,7 @@ def test_bad_arguments() -> None:
         gt.per_sample(model, quantities=("grad", "hessian"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_dim must be a non-negative int; got -1"):
         gt.per_sample(model, batch_dim=-1)
-    with pytest.raises(SelectionError, match="matches no parameter"):
+    with pytest.raises(SelectionError, match="matches no module or parameter"):
         gt.per_sample(model, select="nothing.*")
     model[0].requires_grad_(False)
     with pytest.raises(SelectionError, match="only parameters that do not require grad: 0.weight"):
@@ -780,13 +780,19 @@ def test_batch_size_mismatch_and_missing_batch_dim() -> None:
     model = _mlp()
     with gt.per_sample(model):
         model(torch.randn(3, 5))
-        with pytest.raises(ValueError, match=r"module '0' got 2 samples along batch_dim=0, but an "
+        with pytest.raises(ValueError, match=r"the model got 2 samples along batch_dim=0, but an "
                                              r"earlier call had 3; call ps.clear\(\)"):
             model(torch.randn(2, 5))
     with gt.per_sample(model, batch_dim=1):
-        with pytest.raises(ValueError, match=r"module '0' was called with shape \(5,\); every input "
-                                             r"needs the sample dim batch_dim=1"):
+        with pytest.raises(ValueError, match=r"the model was called without a tensor argument that "
+                                             r"has the sample dim batch_dim=1 \(tensor arguments: "
+                                             r"\(5,\)\)"):
             model(torch.randn(5))
+    parts = nn.ModuleDict({"lin": nn.Linear(5, 2)})
+    with gt.per_sample(parts, batch_dim=1):  # a part called alone: its input decides
+        with pytest.raises(ValueError, match=r"module 'lin' was called with shape \(5,\); its "
+                                             r"input needs the sample dim batch_dim=1"):
+            parts["lin"](torch.randn(5))
 
 
 def test_hooks_removed_when_backward_raises() -> None:

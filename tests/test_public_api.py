@@ -1,5 +1,5 @@
-"""The public surface: __all__ is sorted, holds the names DESIGN.md promises for landed
-capabilities, and every public object has a docstring."""
+"""The public surface: __all__ is sorted, holds the public names of every landed capability,
+and every public object has a docstring."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import inspect
 
 import gradtap as gt
 
-# Names DESIGN.md's public contract fixes, per capability that has landed. Adding a
-# capability means adding its names here, deliberately.
+# The public names, per capability that has landed (README.md and docs/semantics.md document
+# them). Adding a capability means adding its names here, deliberately.
 CONTRACT = {
     "records": {"tap", "GradRecord", "explain", "SelectionError", "GradtapError"},
     "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 import gradtap.report as report
+from gradtap.demo import run_demo
 from gradtap.errors import SelectionError, StoreError
 from gradtap.monitor import Monitor
 from gradtap.report import svg
-from gradtap.report.demo import run_demo
 from gradtap.store import open_run
 
 STEPS = 30
@@ -205,7 +205,31 @@ def test_heatmap_cells_and_log_ticks():
     assert "r&amp;1" in out and "r&1" not in out
     scale = svg._Scale(1e-4, 10.0, 0, 100, log=True)
     assert scale.ticks() == [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
-    assert svg.fmt(1.5e-5) == "1.5e-5" and svg.fmt(math.nan) == "NaN" and svg.fmt(0.125) == "0.125"
+
+
+def test_ewma_bands_follow_the_formula_and_skip_non_finite_values():
+    """Oracle: the EWMA formula (m = g, v = 0 at the first value; then d = g - m,
+    m += (1 - beta) d, v = beta (v + (1 - beta) d^2)) as a float64 loop over the finite values."""
+    from gradtap.report.html import _ewma_band
+
+    rng = np.random.default_rng(0)
+    values = np.abs(rng.standard_normal(40)) * 10.0 ** rng.uniform(-3, 3, 40)
+    values[[0, 1, 7, 8, 30]] = [math.nan, math.inf, math.nan, -math.inf, math.nan]
+    beta = 0.8
+    mean, std = _ewma_band(values, beta)
+    m = v = None
+    for i, g in enumerate(values):
+        if math.isfinite(g):
+            if m is None:
+                m, v = g, 0.0
+            else:
+                d = g - m
+                m, v = m + (1 - beta) * d, beta * (v + (1 - beta) * d * d)
+        if m is None:
+            assert math.isnan(mean[i]) and math.isnan(std[i])
+        else:
+            assert mean[i] == pytest.approx(m, rel=1e-12) and std[i] == pytest.approx(math.sqrt(v), rel=1e-12)
+    assert np.isnan(mean[:2]).all() and np.isfinite(mean[2:]).all()
 
 
 # -- HTML ----------------------------------------------------------------------------------------

@@ -90,3 +90,31 @@ def test_glob_agrees_with_fnmatch(glob):
     else:
         with pytest.raises(gt.SelectionError):
             gt.select_modules(net, glob)
+
+
+def test_module_parameters_by_module_or_parameter_name(net):
+    from gradtap.select import select_module_parameters as select
+
+    under = [n for n, _ in net.named_parameters() if n.startswith("layer1.")]
+    assert names(select(net, "layer1")) == under  # a module: every parameter under it
+    assert names(select(net, "layer1.*")) == under  # its submodules, and its parameters
+    assert names(select(net, "fc.weight")) == ["fc.weight"]  # a parameter by its own name
+    assert names(select(net, ["fc", "layer1.0.conv1"])) == ["layer1.0.conv1.weight",
+                                                            "fc.weight", "fc.bias"]
+    convs = [f"{m}.{p}" for m, mod in net.named_modules() if isinstance(mod, nn.Conv2d)
+             for p, _ in mod.named_parameters()]
+    assert names(select(net, nn.Conv2d)) == convs
+    blocks = names(select(net, type(net.layer1[0])))  # a class: everything under its modules
+    assert blocks and "layer1.0.bn1.weight" in blocks and "fc.weight" not in blocks
+    assert names(select(net, lambda name, module: name == "fc")) == ["fc.weight", "fc.bias"]
+    with pytest.raises(gt.SelectionError, match="select='layer9' matches no module or parameter"):
+        select(net, ["fc", "layer9"])
+
+
+def test_module_parameters_name_a_tied_weight_once():
+    from gradtap.select import select_module_parameters
+
+    tied = nn.ModuleDict({"emb": nn.Embedding(4, 3), "head": nn.Linear(3, 4, bias=False)})
+    tied["head"].weight = tied["emb"].weight
+    assert names(select_module_parameters(tied, "head")) == ["emb.weight"]
+    assert names(select_module_parameters(tied, "*")) == ["emb.weight"]

@@ -21,7 +21,7 @@ from gradtap import _tensorops as ops
 ALL_STATS = ops.STAT_NAMES
 
 
-# -- the oracle: DESIGN.md's definitions, written naively in float64 ---------------------------
+# -- the oracle: the definitions of docs/semantics.md, written naively in float64 -------------
 
 
 def oracle(x: np.ndarray) -> dict[str, float]:
@@ -357,7 +357,7 @@ def test_integer_tensors_are_rejected():
         ops.tensor_moments([torch.arange(3)], ops.needs_for(["mean"]))
 
 
-def test_ewma_helpers_follow_design_formula():
+def test_ewma_helpers_follow_the_formula():
     # Shared with transforms; checked here against the loop over steps in float64.
     rng = np.random.default_rng(0)
     seq = rng.standard_normal((6, 4))

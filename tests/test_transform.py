@@ -121,7 +121,7 @@ def test_clip_global_norm_is_group_only():
 
 
 def naive_ewma(xs, beta):
-    """DESIGN.md's EWMA, written as a loop over steps in float64: yields (m, v) after each."""
+    """The EWMA of docs/semantics.md, written as a loop over steps in float64: yields (m, v) after each."""
     out = []
     m = v = None
     for x in xs:
@@ -1232,7 +1232,7 @@ def test_tied_weights_and_unassigned_handle_in_backward_mode():
     net(x).square().sum().backward()
     plain = net.a.weight.grad.clone()
     net.zero_grad()
-    # DESIGN's one-liner style: the handle is not kept, the transform still applies
+    # The README's one-liner style: the handle is not kept, the transform still applies
     gt.transform(net, {"*": gt.scale(3.0)}, when="backward")
     net(x).square().sum().backward()
     torch.testing.assert_close(net.a.weight.grad, 3.0 * plain, rtol=1e-12, atol=0)

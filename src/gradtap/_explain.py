@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradtap._text import format_table
 from gradtap._types import Selector
 from gradtap.capture import legacy_backward_grads, tap
-from gradtap.record import GradRecord, describe_row, flatten_tensors, format_table
+from gradtap.record import GradRecord, describe_row, flatten_tensors
 from gradtap.select import select_modules
 
 __all__ = ["Explanation", "explain"]

@@ -12,6 +12,9 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from gradtap._text import format_number, format_table
 
 __all__ = ["main"]
 
@@ -164,19 +167,18 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         shape = _parse_shape(args.input_shape)
     if not isinstance(model, torch.nn.Module):
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
-    if inputs is None:
-        inputs = torch.randn(*shape)
+    example: Any = inputs if inputs is not None else torch.randn(*shape)
     try:
-        print(header + str(explain(model, inputs, select=args.select, legacy=args.legacy)))
+        print(header + str(explain(model, example, select=args.select, legacy=args.legacy)))
     except ValueError as err:  # SelectionError, bad loss
         raise _CliError(str(err)) from err
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from gradtap.demo import run_demo
     from gradtap.errors import StoreError
     from gradtap.report import layer_summary, write_report
-    from gradtap.report.demo import run_demo
 
     if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
         raise _CliError(f"--inject-nan must be a step in [0, {args.steps}); got {args.inject_nan}")
@@ -206,13 +208,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     else:
         print("anomalies: none")
     print()
-    rows = [[ly.name, _fmt(ly.first_norm), _fmt(ly.last_norm), _fmt(ly.max_norm),
-             _fmt(ly.median_ratio) if ly.median_ratio is not None else "-",
+    rows = [[ly.name, *(format_number(v, short=True) for v in
+                        (ly.first_norm, ly.last_norm, ly.max_norm)),
+             format_number(ly.median_ratio, short=True) if ly.median_ratio is not None else "-",
              str(ly.nonfinite_steps)]
             for ly in layer_summary(result.run_dir) if ly.kind == "param_grad"]
-    print(_table(["parameter", "grad norm first", "last", "max", "median update ratio",
-                  "NaN steps"],
-                 rows))
+    header = ["parameter", "grad norm first", "last", "max", "median update ratio", "NaN steps"]
+    print("\n".join(format_table(header, rows, align="l" + "r" * (len(header) - 1))))
     print()
     print(f"run store: {result.run_dir / 'run.db'}")
     print(f"report:    {report}")
@@ -269,7 +271,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     rows = [[str(r.path), "-" if r.steps is None else str(r.steps),
              "-" if r.last_step is None else str(r.last_step), r.start_time or "-", r.status]
             for r in runs]
-    print(_table(["run", "steps", "last step", "started", "status"], rows))
+    print("\n".join(format_table(["run", "steps", "last step", "started", "status"], rows,
+                                  align="lrrrr")))
     for r in runs:
         if r.error:
             print(f"{r.path}: {r.error}", file=sys.stderr)
@@ -290,13 +293,14 @@ class _Progress:
         if not self.tty:  # a log file: about ten lines
             if done == total or done * 10 // total > self.shown:
                 self.shown = done * 10 // total
-                print(f"step {done}/{total}  loss {loss:.4f}  grad norm {grad_norm:.4g}",
+                print(f"step {done}/{total}  loss {loss:.4f}  "
+                      f"grad norm {format_number(grad_norm)}",
                       file=self.stream, flush=True)
             return
         width = 30
         filled = width * done // total
         line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}  "
-                f"loss {loss:7.4f}  grad norm {grad_norm:9.4g}")
+                f"loss {loss:7.4f}  grad norm {format_number(grad_norm):>9}")
         self.stream.write(line)
         self.stream.flush()
         self.open = True
@@ -306,21 +310,6 @@ class _Progress:
             self.stream.write("\n")
             self.stream.flush()
             self.open = False
-
-
-def _fmt(v: float) -> str:
-    if v != v:
-        return "nan"
-    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 or v == 0 else f"{v:.2e}"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def _positive_int(text: str) -> int:

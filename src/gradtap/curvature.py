@@ -31,7 +31,8 @@ Params: TypeAlias = nn.Module | Tensor | Mapping[str, Tensor] | Iterable[Tensor]
 def _resolve(params: Params, select: Selector | None, where: str) -> tuple[list[str], list[Tensor]]:
     if isinstance(params, nn.Module):
         if select is None:
-            named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+            named: list[tuple[str, Tensor]] = [
+                (n, p) for n, p in params.named_parameters() if p.requires_grad]
         else:
             named = [(n, p) for n, p in select_parameters(params, select) if p.requires_grad]
     elif select is not None:
@@ -41,7 +42,7 @@ def _resolve(params: Params, select: Selector | None, where: str) -> tuple[list[
     elif isinstance(params, Tensor):
         named = [("0", params)]
     elif isinstance(params, Mapping):
-        named = list(params.items())
+        named = [(str(k), v) for k, v in params.items()]
     elif isinstance(params, Iterable):
         named = [(str(i), p) for i, p in enumerate(params)]
     else:

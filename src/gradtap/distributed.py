@@ -15,14 +15,15 @@ communicated.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradtap._tensorops import refine_fields
+from gradtap._tensorops import Moments, refine_fields
 
 __all__ = ["is_distributed", "layout_mismatch", "reduce_parts", "world"]
 
@@ -44,17 +45,17 @@ def world() -> tuple[int, int]:
 
 def reduce_parts(
     count: np.ndarray,
-    fields: dict[str, Tensor],
+    fields: Moments[Tensor] | Mapping[str, Tensor],
     group: np.ndarray,
     keys: Sequence[str],
     *,
     reduce: bool = True,
-) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+) -> tuple[Tensor, Moments[Tensor], Tensor]:
     """Combine rows of one rank by ``group``, then sum/max them across ranks.
 
     Args:
         count: element count of each input row [P] (host).
-        fields: raw moment fields [P] from ``tensor_moments`` (``"hist"`` [P, B]), all on one
+        fields: raw moments [P] from ``tensor_moments`` (``hist`` [P, B]), all on one
             device, not yet refined.
         group: output row of each input row [P], values in ``range(len(keys))``.
         keys: one name per output row; every rank must pass the same keys in the same order
@@ -62,30 +63,31 @@ def reduce_parts(
         reduce: communicate when a process group is initialised; ``False`` only combines.
 
     Returns:
-        ``(count [G], fields [G], check [2])`` on the fields' device. ``fields`` has a
-        ``"between"`` field and is ready for ``finish_stats`` once copied to the host;
+        ``(count [G], moments [G], check [2])`` on the fields' device. ``moments`` has a
+        ``between`` field and is ready for ``finish_stats`` once copied to the host;
         ``check[0] != -check[1]`` (see :func:`layout_mismatch`) means the ranks passed different
         ``keys``. At most two collectives are issued and nothing is read on the host.
     """
     n_groups = len(keys)
-    device = next(iter(fields.values())).device
+    raw = Moments.coerce(fields)
+    device = next(iter(raw.items()))[1].device
     f64 = torch.float64
     count_t = torch.as_tensor(count, dtype=f64).to(device)
-    refined = refine_fields(count_t, dict(fields))
+    refined = refine_fields(count_t, raw)
     index = torch.as_tensor(group, dtype=torch.int64).to(device)
 
+    # Sum-reduced columns by name, in _SUM_ORDER; "between" is new at this stage.
     sums = {"count": count_t}
-    if "sum" in refined:
-        sums["sum"] = refined["sum"]
-        sums["between"] = refined["sum"] ** 2 / count_t
+    if refined.sum is not None:
+        sums["sum"] = refined.sum
+        sums["between"] = refined.sum ** 2 / count_t
     for f in ("m2", "sumsq", "nonfinite", "nonzero"):
         if f in refined:
             sums[f] = refined[f]
-    sum_cols = [sums[f] for f in ("count", *_SUM_ORDER) if f in sums]
     sum_names = [f for f in ("count", *_SUM_ORDER) if f in sums]
-    rows = torch.stack(sum_cols, dim=1)
-    if "hist" in refined:
-        rows = torch.cat([rows, refined["hist"]], dim=1)
+    rows = torch.stack([sums[f] for f in sum_names], dim=1)
+    if refined.hist is not None:
+        rows = torch.cat([rows, refined.hist], dim=1)
     sum_buf = torch.zeros(n_groups, rows.shape[1], dtype=f64, device=device)
     sum_buf.index_add_(0, index, rows)
 
@@ -95,7 +97,8 @@ def reduce_parts(
     for col in max_rows:
         nan = torch.maximum(nan, col.isnan().to(f64))
     # Collectives disagree about NaN in MAX: send a flag and put the NaN back afterwards.
-    max_cols = [torch.nan_to_num(c, nan=-torch.inf, posinf=torch.inf) for c in max_rows] + [nan]
+    max_cols = [torch.nan_to_num(c, nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+                for c in max_rows] + [nan]
     max_buf = torch.full((n_groups, len(max_cols)), -torch.inf, dtype=f64, device=device)
     max_buf.scatter_reduce_(0, index[:, None].expand(-1, len(max_cols)),
                             torch.stack(max_cols, dim=1), reduce="amax")
@@ -113,20 +116,21 @@ def reduce_parts(
     out: dict[str, Tensor] = {}
     for j, f in enumerate(sum_names):
         out[f] = sum_buf[:, j]
-    if "hist" in refined:
+    if refined.hist is not None:
         out["hist"] = sum_buf[:, len(sum_names):]
     flag = max_buf[:, -1] > 0
     for j, f in enumerate(max_names):
         out[f] = torch.where(flag, torch.nan, max_buf[:, j])
-    return out.pop("count"), out, flat_max[-2:]
+    total = out.pop("count")
+    return total, Moments.coerce(out), flat_max[-2:]
 
 
-def layout_mismatch(check: Sequence[float]) -> bool:
+def layout_mismatch(check: Sequence[float] | np.ndarray) -> bool:
     """True when the reduced checksum pair of :func:`reduce_parts` shows differing keys."""
     return float(check[0]) != -float(check[1])
 
 
-def _all_reduce(buf: Tensor, op: dist.ReduceOp) -> Tensor:
+def _all_reduce(buf: Tensor, op: Any) -> Tensor:
     device = buf.device
     if dist.get_backend() == "gloo" and device.type != "cpu":
         buf = buf.cpu()

@@ -7,13 +7,15 @@ Also the slot-naming rules shared by capture and its consumers: how forward argu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+# format_table is imported from here by the detect package; its home is gradtap._text.
+from gradtap._text import format_number, format_table
 
 __all__ = ["GradRecord", "flatten_tensors", "map_tensors"]
 
@@ -90,7 +92,7 @@ def describe_row(role: str, key: str, grad: Tensor | None) -> list[str]:
         role,
         "x".join(str(s) for s in grad.shape) or "scalar",
         str(grad.dtype).removeprefix("torch."),
-        _format_number(norm),
+        format_number(norm),
         meaning(role, key, grad),
     ]
 
@@ -109,27 +111,10 @@ def meaning(role: str, key: str, grad: Tensor | None) -> str:
     return text
 
 
-def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Format rows as an aligned plain-text table (first line is the header)."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    # The last column (meaning) is not padded, so lines carry no trailing spaces.
-    def line(cells: list[str]) -> str:
-        padded = [str(c).ljust(w) for c, w in zip(cells[:-1], widths[:-1])]
-        return "  ".join([*padded, str(cells[-1])])
-
-    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-
-
-def _format_number(x: float) -> str:
-    if math.isnan(x) or math.isinf(x):
-        return str(x)
-    return f"{x:.4g}"
-
-
 def flatten_tensors(obj: Any, prefix: str, *, under_prefix: bool = False) -> list[tuple[str, Tensor]]:
     """Return ``(path, tensor)`` for every tensor leaf of a nested output or argument.
 
-    Paths follow DESIGN.md: a lone tensor gets ``prefix``, tuple and list items their index,
+    Paths follow docs/semantics.md ("Records"): a lone tensor gets ``prefix``, tuple and list items their index,
     mappings (dicts, ``ModelOutput``) their keys, nested parts joined by ``"."``. Outputs use
     ``prefix="output"`` (a tuple output gives ``"0"``, ``"1"``); arguments use their name with
     ``under_prefix=True`` (a tuple argument ``hx`` gives ``"hx.0"``, ``"hx.1"``). Non-tensor
@@ -168,7 +153,7 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(obj, Mapping):
         items = {k: map_tensors(v, fn) for k, v in obj.items()}
         try:
-            return type(obj)(items)
+            return cast(Any, type(obj))(items)
         except Exception:  # noqa: BLE001 - fall back to item assignment for exotic mappings
             for k, v in items.items():
                 obj[k] = v  # type: ignore[index]

@@ -18,14 +18,14 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from torch import nn
 
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
-__all__ = ["select_modules", "select_parameters"]
+__all__ = ["select_module_parameters", "select_modules", "select_parameters"]
 
 T = TypeVar("T")
 
@@ -87,6 +87,60 @@ def select_parameters(model: nn.Module, selector: Selector) -> list[tuple[str, n
     return _select(named, selector, what="parameter", type_of=None)
 
 
+def select_module_parameters(
+    model: nn.Module, selector: Selector
+) -> list[tuple[str, nn.Parameter]]:
+    """Parameters picked by a module selector or by parameter globs.
+
+    A module selector (as in :func:`select_modules`: a glob on module names, a list of globs,
+    a module class or tuple of classes, a predicate ``(name, module) -> bool``) selects every
+    parameter under each module it picks. A glob also selects the parameters whose own name
+    (from ``named_parameters()``) it matches, so ``"fc"``, ``"fc.*"`` and ``"fc.weight"`` all
+    work. Each glob must match a module or a parameter. A parameter held by several modules
+    (tied weights) is named once, by its ``named_parameters()`` name, whichever module
+    selected it.
+
+    Returns:
+        ``(qualified_name, parameter)`` pairs in ``named_parameters()`` order, each once.
+
+    Raises:
+        SelectionError: nothing matched (the message lists the closest names).
+        TypeError: ``selector`` is not one of the accepted kinds.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [name for name, _ in select_module_parameters(net, "0")]
+        ['0.weight', '0.bias']
+        >>> [name for name, _ in select_module_parameters(net, ["2", "*.bias"])]
+        ['0.bias', '2.weight', '2.bias']
+        >>> [name for name, _ in select_module_parameters(net, nn.Linear)][:2]
+        ['0.weight', '0.bias']
+    """
+    named_params = list(model.named_parameters())
+    picked: set[int] = set()
+    globs: list[str] | None = None
+    if isinstance(selector, str):
+        globs = [selector]
+    elif isinstance(selector, Sequence) and all(isinstance(s, str) for s in selector):
+        globs = [str(s) for s in selector]
+    if globs is not None:
+        if not globs:
+            raise SelectionError("empty list of globs selects no module or parameter")
+        modules = list(model.named_modules())
+        for glob in globs:
+            hit_modules = [m for n, m in modules if _glob_match(n, glob)]
+            hit_params = [p for n, p in named_params if _glob_match(n, glob)]
+            if not hit_modules and not hit_params:
+                names = [n for n, _ in modules] + [n for n, _ in named_params]
+                raise SelectionError(_no_match_message(glob, names, "module or parameter"))
+            picked.update(id(p) for p in hit_params)
+            picked.update(id(p) for m in hit_modules for p in m.parameters())
+    else:
+        picked.update(id(p) for _, m in select_modules(model, selector) for p in m.parameters())
+    return [(n, p) for n, p in named_params if id(p) in picked]
+
+
 def _select(
     named: list[tuple[str, T]],
     selector: Selector,
@@ -116,9 +170,10 @@ def _select(
     if isinstance(selector, Sequence) and all(isinstance(s, str) for s in selector):
         if not selector:
             raise SelectionError(f"empty list of globs selects no {what}")
-        return _by_globs(named, list(selector), what)
+        return _by_globs(named, [str(s) for s in selector], what)
     if callable(selector):
-        picked = [(n, o) for n, o in named if selector(n, o)]
+        accepts = cast(Callable[[str, object], bool], selector)  # modules or parameters
+        picked = [(n, o) for n, o in named if accepts(n, o)]
         if not picked:
             raise SelectionError(
                 f"the predicate {getattr(selector, '__name__', selector)!r} selected no {what} "

@@ -1,7 +1,7 @@
 """Run store: an append-only SQLite database of per-step statistics that survives a crash.
 
 A run directory holds ``run.db`` (schema in ``docs/run-store.md``). The writer (the
-:class:`~gradtap.monitor.Monitor`) commits one transaction per computed step in WAL mode, so a
+:class:`~gradtap.Monitor`) commits one transaction per computed step in WAL mode, so a
 process killed at any moment leaves every completed step readable; :func:`open_run` returns a
 read-only :class:`Run` over it.
 """
@@ -310,7 +310,7 @@ class Run:
             for row in cur:
                 rec = {c: _nan(v) if isinstance(v, float) or v is None else v
                        for c, v in zip(cols[1:], row[1:])}
-                rec["shape"] = json.loads(rec["shape"])
+                rec["shape"] = json.loads(str(rec["shape"]))
                 out[row[0]] = rec
             return out
 
@@ -399,9 +399,10 @@ class Run:
                 "SELECT step, counts FROM histograms WHERE name=? AND kind=? ORDER BY step",
                 (name, kind),
             ).fetchall()
-            if edges is None or not rows:
-                why = "the run has no histograms (hist_bins=None)" if edges is None else ""
-                raise KeyError(why or self._missing(conn, name, f"{kind} histograms"))
+            if edges is None:
+                raise KeyError(NO_HISTOGRAMS)
+            if not rows:
+                raise KeyError(self._missing(conn, name, f"{kind} histograms"))
         counts = np.stack([np.frombuffer(c, dtype="<i8") for _, c in rows]).astype(np.int64)
         return Histogram(np.asarray(edges, dtype=np.float64), counts,
                          np.array([s for s, _ in rows], dtype=np.int64))
@@ -422,9 +423,7 @@ class Run:
 
     def _missing(self, conn: sqlite3.Connection, name: str, what: str) -> str:
         names = [r[0] for r in conn.execute("SELECT DISTINCT name FROM series")]
-        close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
-        hint = f"; close names: {', '.join(close)}" if close else ""
-        return f"no {what} for {name!r} in {str(self.path)!r}{hint}"
+        return missing_message(name, names, what, repr(str(self.path)))
 
 
 class _Connection:
@@ -467,6 +466,17 @@ def _series_table(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
 
 
 # -- shared with the Monitor's in-memory history ---------------------------------------------
+
+#: The KeyError message of ``histogram()`` on a run recorded without histograms.
+NO_HISTOGRAMS = ("the run has no histograms (hist_bins=None): histograms are off; pass "
+                 "hist_bins=N to Monitor")
+
+
+def missing_message(name: str, names: Iterable[str], what: str, where: str) -> str:
+    """The KeyError message for a name a run lacks, naming close matches among ``names``."""
+    close = difflib.get_close_matches(name, list(names), n=5, cutoff=0.5)
+    hint = f"; close names: {', '.join(close)}" if close else ""
+    return f"no {what} for {name!r} in {where}{hint}"
 
 
 def _as_list(x: str | Iterable[str] | None) -> list[str] | None:

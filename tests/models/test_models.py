@@ -30,6 +30,7 @@ the same call; the parameters of the same module) only has to stay at that noise
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -278,9 +279,18 @@ def test_per_sample_gradients_match_a_loop_over_samples(name):
                 for i, (pn, p) in enumerate(params)}
     noise = noise_levels(expected)
 
-    with gt.per_sample(model, loss_reduction="mean", quantities=("grad", "norm")) as ps:
-        loss = loss_fn(name, model, inputs)()
-        loss.backward()
+    # Parameters no per-layer rule can split (shared position ids, windows folded into the
+    # batch, per-sample sub-calls) come from a replay of an enclosing call, announced by one
+    # warning per replayed call that names it.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gt.per_sample(model, loss_reduction="mean", quantities=("grad", "norm")) as ps:
+            loss = loss_fn(name, model, inputs)()
+            loss.backward()
+    for w in caught:
+        text = str(w.message)
+        assert issubclass(w.category, UserWarning) and text.startswith("gradtap.per_sample"), text
+        assert "replay of " in text, text
     # The zoo's loss is the mean over samples of each sample's own loss.
     assert loss.item() == pytest.approx(sum(losses) / zoo.N, rel=1e-5)
 

@@ -14,6 +14,7 @@ they use these names:
   then is defined there), :func:`in_recomputation`;
 * :mod:`~gradtap.capture.saved`: :func:`graph_nodes` and :func:`saved_tensors`, to read
   forward tensors back from the graph for a report;
+* :func:`sequence_mark` and :func:`made_since`: whether a tensor was made after a point;
 * :func:`argument_tensors`: a call's tensor arguments named as the records name them;
   :func:`legacy_backward_grads` for ``explain(legacy=True)``.
 """
@@ -21,6 +22,7 @@ they use these names:
 from __future__ import annotations
 
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
+from gradtap.capture.graph import made_since, sequence_mark
 from gradtap.capture.hookset import HookSet
 from gradtap.capture.legacy import legacy_backward_grads
 from gradtap.capture.listener import Listener
@@ -40,7 +42,9 @@ __all__ = [
     "graph_nodes",
     "in_recomputation",
     "legacy_backward_grads",
+    "made_since",
     "replaying",
     "saved_tensors",
+    "sequence_mark",
     "tap",
 ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from gradtap.capture.state import Call
 
-__all__ = ["INPUT", "INPUT_REGION", "PARAM", "walk_call"]
+__all__ = ["INPUT", "INPUT_REGION", "PARAM", "made_since", "sequence_mark", "walk_call"]
 
 #: Kinds of an edge found by :func:`walk_call`: into an argument, into a parameter, into the
 #: base of a view argument (the key then also says where the view lies in it).
@@ -17,6 +18,28 @@ INPUT, PARAM, INPUT_REGION = 0, 1, 2
 AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 Edges = dict[Any, list[tuple[int, int, Any]]]
+
+
+def sequence_mark() -> int:
+    """A mark in the order autograd records ops: ops recorded from now on are at or after it
+    (see :func:`made_since`)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def made_since(t: Tensor, mark: int) -> bool:
+    """Whether ``t`` was made by an op recorded at or after ``mark`` (False for a leaf or a
+    tensor that does not require grad).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> before = x * 2
+        >>> mark = sequence_mark()
+        >>> [made_since(t, mark) for t in (x, before, before + 1)]
+        [False, False, True]
+    """
+    fn = t.grad_fn
+    return fn is not None and fn._sequence_nr() >= mark
 Users = dict[tuple[Any, int], list[Any]]
 
 

@@ -17,21 +17,17 @@ __all__ = ["explicit_conv"]
 
 def _bind(transposed: bool) -> Callable[..., Tensor]:
     """Wrap ``conv`` with the positional signature of a native ``F.conv*d`` function."""
-    if transposed:
 
-        def call(
-            input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-        ):  # type: ignore[no-untyped-def]
-            return conv(
-                input, weight, bias, stride, padding, dilation, groups, True, output_padding
-            )
+    def call_transposed(input: Tensor, weight: Tensor, bias: Tensor | None = None,
+                        stride: Any = 1, padding: Any = 0, output_padding: Any = 0,
+                        groups: int = 1, dilation: Any = 1) -> Tensor:
+        return conv(input, weight, bias, stride, padding, dilation, groups, True, output_padding)
 
-    else:
+    def call(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
+             padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Tensor:
+        return conv(input, weight, bias, stride, padding, dilation, groups)
 
-        def call(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # type: ignore[no-untyped-def]
-            return conv(input, weight, bias, stride, padding, dilation, groups)
-
-    return call
+    return call_transposed if transposed else call
 
 
 # torch.nn.functional.conv2d *is* torch.conv2d (and likewise for the others), so one table

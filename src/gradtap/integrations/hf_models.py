@@ -27,7 +27,7 @@ import ast
 import difflib
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -235,7 +235,7 @@ def _config_keys(config_class: type) -> set[str]:
 
     keys: set[str] = set(getattr(config_class, "attribute_map", {}) or {})
     for cls in (config_class, PretrainedConfig):
-        params = inspect.signature(cls.__init__).parameters.values()
+        params = inspect.signature(cast(Any, cls).__init__).parameters.values()
         keys |= {p.name for p in params
                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     try:
@@ -277,7 +277,7 @@ def dummy_inputs(model: nn.Module, batch: int = _BATCH, length: int = _LENGTH) -
         >>> describe_inputs(dummy_inputs(model))
         'pixel_values [2, 3, 16, 16] float32'
     """
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     forward = inspect.signature(model.forward).parameters
     main = getattr(model, "main_input_name", "input_ids")
     what = f"{type(model).__name__} ({config.model_type!r})"

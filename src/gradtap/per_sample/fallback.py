@@ -1,22 +1,31 @@
-"""Generic per-sample gradients for a module without a rule, built on ``torch.func``.
+"""Generic per-sample gradients by replaying a call, built on ``torch.func``.
 
-The module's call is replayed per sample under ``vmap(grad(...))`` with ``functional_call``:
-sample n's gradient is the gradient of ``<module(x_n), go_n>`` w.r.t. the parameters, where
-``go_n`` is its (scaled) output gradient from the record. This is exact for any module whose
-forward treats samples independently and is deterministic; it costs a second forward and
-backward of the module, per sample, vectorized.
+A call of a module is replayed per sample: sample n's gradient is the gradient, w.r.t. the
+parameters, of ``<module(x_n), go_n>``, where ``x_n`` is sample n's slice of every argument
+that has one (an argument whose size along the sample dim is not the batch size is shared by
+all samples and passed whole) and ``go_n`` its (scaled) output gradient. This is exact for any
+call whose forward treats samples independently and is deterministic. Two ways, the first
+that works:
 
-Limitations (all raise a clear error or are documented): forward arguments that are not
-tensors are not seen by the record, so the replay uses their defaults; random ops (dropout in
-training mode) cannot be replayed identically and raise.
+* ``vmap(grad(...))`` over samples with ``functional_call``: one vectorized forward and
+  backward of the call;
+* a loop over samples with ``torch.autograd.grad``, where ``vmap`` cannot run the forward
+  (data-dependent shapes such as boolean-mask indexing, ``.item()``, control flow on values).
+
+Used for a module without a rule (its record's tensor arguments; the replay uses defaults for
+arguments that were not tensors) and, by :mod:`gradtap.per_sample.api`, for a whole enclosing
+call (its arguments as passed) when no rule can map a parameter.
+
+Random ops (dropout in training mode) cannot be replayed identically: ``vmap`` refuses them,
+and the loop notices that the random number generator moved; both raise.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -24,9 +33,16 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from gradtap.errors import UnsupportedModuleError
-from gradtap.record import flatten_tensors
+from gradtap.record import flatten_tensors, map_tensors
 
-__all__ = ["grad_fallback", "quiet_vmap"]
+__all__ = ["CannotReplay", "grad_fallback", "quiet_vmap", "replay_call"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+AutocastState = tuple[tuple[str, bool, torch.dtype], ...]
+
+
+class CannotReplay(Exception):  # noqa: N818 - internal signal, never reaches users
+    """This call cannot give per-sample gradients by a replay; ``str(err)`` says why."""
 
 
 @contextmanager
@@ -39,6 +55,32 @@ def quiet_vmap() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop.*batching rule")
         yield
+
+
+def autocast_state() -> AutocastState:
+    """The autocast settings now in force, to replay a call under the same ones."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in _AUTOCAST_DEVICES)
+
+
+@contextmanager
+def _autocast(state: AutocastState | None) -> Iterator[None]:
+    with ExitStack() as stack:
+        for device, enabled, dtype in state or ():
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
+
+
+@contextmanager
+def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Put every buffer's values back after the block (a replay must leave no trace)."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _nest(flat: dict[str, Tensor]) -> dict[str, Any]:
@@ -79,13 +121,155 @@ def _bind(module: nn.Module, name: str, inputs: dict[str, Any]) -> tuple[list[An
         elif p.default is not p.empty:
             args.append(p.default)
         else:
-            raise UnsupportedModuleError(
-                f"per-sample fallback for module {name!r} ({type(module).__name__}) cannot replay "
-                f"its call: argument {p.name!r} was not a tensor, and the record keeps only "
-                "tensor arguments; register a per-sample rule for this type "
-                "(gradtap.per_sample.table.GRAD) or leave it out of select="
+            raise CannotReplay(
+                f"argument {p.name!r} of module {name!r} ({type(module).__name__}) was not a "
+                "tensor, and its record keeps only tensor arguments"
             )
     return [*args, *star], kwargs
+
+
+def _random_error(name: str, module: nn.Module) -> UnsupportedModuleError:
+    return UnsupportedModuleError(
+        f"per-sample fallback for module {name!r} ({type(module).__name__}) replays its "
+        "forward, which draws random numbers (dropout in training mode?): the replay would "
+        "not see the same randomness; call .eval() on the random submodules or register a "
+        "per-sample rule for this type"
+    )
+
+
+def replay_call(
+    module: nn.Module,
+    name: str,
+    args: tuple | list,
+    kwargs: dict[str, Any],
+    grad_outputs: dict[str, Tensor],
+    params: dict[str, Tensor],
+    batch_dim: int,
+    n: int,
+    scale: float,
+    samples: slice | None = None,
+    autocast: AutocastState | None = None,
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``[n, *shape]`` of ``params`` through one call of ``module``.
+
+    Args:
+        module: the module whose call is replayed.
+        name: its qualified name (for messages).
+        args, kwargs: the call's arguments, as passed (tensors are detached for the replay).
+        grad_outputs: gradients w.r.t. the call's outputs, by output path (``"output"``,
+            ``"0"``, ``"last_hidden_state"``...); each has ``n`` rows along ``batch_dim``.
+        params: the parameters to differentiate, by name relative to ``module``. A name not
+            under ``module`` (a parameter it receives some other way) is differentiated too,
+            by the loop only.
+        batch_dim: the sample dim of arguments and outputs.
+        n: the number of samples; an argument with another size along ``batch_dim`` (or
+            without that dim) is shared by all samples.
+        scale: factor turning ``grad_outputs`` into per-sample output gradients.
+        samples: only these samples (a chunk), default all.
+        autocast: the autocast settings of the original call.
+
+    Returns:
+        ``{name: [len(samples), *param.shape]}``.
+
+    Raises:
+        CannotReplay: an output gradient has no row per sample, or the replay failed.
+        UnsupportedModuleError: the forward draws random numbers.
+    """
+    for path, g in grad_outputs.items():
+        if g.dim() <= batch_dim or g.shape[batch_dim] != n:
+            raise CannotReplay(
+                f"the gradient of its output {path!r} has shape {tuple(g.shape)}, without a "
+                f"row per sample along batch_dim={batch_dim} (batch of {n})"
+            )
+    sl = samples or slice(0, n)
+
+    def batched(t: Tensor) -> bool:
+        return t.dim() > batch_dim and t.shape[batch_dim] == n
+
+    gs = {k: g.narrow(batch_dim, sl.start, sl.stop - sl.start) * scale
+          for k, g in grad_outputs.items()}
+    own = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+    with _buffers_restored(module), torch.enable_grad(), _autocast(autocast):
+        if all(k in own for k in params):
+            try:
+                return _vmapped(module, args, kwargs, gs, params, batched, batch_dim, sl)
+            except UnsupportedModuleError:
+                raise
+            except Exception as err:  # noqa: BLE001 - vmap cannot run every forward: loop
+                if "randomness" in str(err):
+                    raise _random_error(name, module) from err
+        try:
+            return _looped(module, name, args, kwargs, gs, params, batched, batch_dim, sl)
+        except (UnsupportedModuleError, CannotReplay):
+            raise
+        except Exception as err:  # noqa: BLE001 - say which call, keep the cause
+            raise CannotReplay(f"its replay failed: {type(err).__name__}: {err}") from err
+
+
+def _sum_products(out: Any, gs: dict[str, Tensor], batch_dim: int, squeeze: bool) -> Tensor | None:
+    total: Tensor | None = None
+    for path, o in flatten_tensors(out, "output"):
+        g = gs.get(path)
+        if g is None:
+            continue
+        term = (o * (g.unsqueeze(batch_dim) if squeeze else g)).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _vmapped(module: nn.Module, args: Any, kwargs: dict[str, Any], gs: dict[str, Tensor],
+             params: dict[str, Tensor], batched: Callable[[Tensor], bool], batch_dim: int,
+             sl: slice) -> dict[str, Tensor]:
+    xs: list[Tensor] = []
+
+    def collect(t: Tensor) -> Tensor:
+        if batched(t):
+            xs.append(t.detach().narrow(batch_dim, sl.start, sl.stop - sl.start))
+        return t
+
+    map_tensors((args, kwargs), collect)
+    diff = {k: v.detach() for k, v in params.items()}
+
+    def sample_loss(p: dict[str, Tensor], x: list[Tensor], g: dict[str, Tensor]) -> Tensor:
+        it = iter(x)
+        a, k = map_tensors((args, kwargs), lambda t: next(it).unsqueeze(batch_dim)
+                           if batched(t) else t.detach())
+        out = functional_call(module, p, tuple(a), k, strict=False)
+        total = _sum_products(out, g, batch_dim, squeeze=True)
+        if total is None:
+            return sum(v.sum() * 0 for v in p.values())  # type: ignore[return-value]
+        return total
+
+    with quiet_vmap():
+        return vmap(grad(sample_loss), in_dims=(None, batch_dim, batch_dim),
+                    randomness="error")(diff, xs, gs)
+
+
+def _looped(module: nn.Module, name: str, args: Any, kwargs: dict[str, Any],
+            gs: dict[str, Tensor], params: dict[str, Tensor], batched: Callable[[Tensor], bool],
+            batch_dim: int, sl: slice) -> dict[str, Tensor]:
+    names = list(params)
+    leaves = [params[k] for k in names]
+    out: dict[str, list[Tensor]] = {k: [] for k in names}
+    cpu_rng = torch.get_rng_state()
+    cuda = [leaf.device for leaf in leaves if leaf.device.type == "cuda"][:1]
+    cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda]
+    for i in range(sl.stop - sl.start):
+        a, k = map_tensors((args, kwargs), lambda t, i=i: t.detach().narrow(
+            batch_dim, sl.start + i, 1) if batched(t) else t.detach())
+        result = module(*a, **k)
+        g_i = {p: g.narrow(batch_dim, i, 1) for p, g in gs.items()}
+        total = _sum_products(result, g_i, batch_dim, squeeze=False)
+        grads: tuple[Tensor | None, ...] = (None,) * len(leaves)
+        if total is not None and total.requires_grad:
+            grads = torch.autograd.grad(total, leaves, allow_unused=True)
+        for key, leaf, g in zip(names, leaves, grads, strict=True):
+            out[key].append(torch.zeros_like(leaf) if g is None else g)
+    moved = not torch.equal(cpu_rng, torch.get_rng_state()) or any(
+        not torch.equal(s, torch.cuda.get_rng_state(d)) for d, s in zip(cuda, cuda_rng))
+    if moved:
+        raise _random_error(name, module)
+    return {k: torch.stack(v) for k, v in out.items()}
 
 
 def grad_fallback(
@@ -97,6 +281,7 @@ def grad_fallback(
     batch_dim: int,
     scale: float,
     samples: slice | None = None,
+    n: int | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``[N, *param.shape]`` of the parameters ``names`` of ``module``.
 
@@ -109,53 +294,19 @@ def grad_fallback(
         batch_dim: the sample dim of every input and output.
         scale: factor turning ``grad_outputs`` into per-sample output gradients.
         samples: only these samples (a chunk), default all.
+        n: the batch size; default: the first input's size along ``batch_dim``.
 
     Returns:
         ``{name: [n, *param.shape]}`` for the chosen samples.
+
+    Raises:
+        CannotReplay: see :func:`replay_call`; also a non-tensor argument without a default.
+        UnsupportedModuleError: the forward draws random numbers.
     """
-    n = next(iter(inputs.values())).shape[batch_dim]
-
-    def take(t: Tensor) -> Tensor:
-        return t if samples is None else t.narrow(batch_dim, samples.start, samples.stop - samples.start)
-
-    def batched(t: Tensor) -> bool:
-        return t.dim() > batch_dim and t.shape[batch_dim] == n
-
-    xs = {k: take(v) if batched(v) else v for k, v in inputs.items()}
-    x_dims = {k: batch_dim if batched(v) else None for k, v in inputs.items()}
-    gs = {k: take(v) * scale for k, v in grad_outputs.items() if v is not None}
-    for k, v in gs.items():
-        if not batched(grad_outputs[k]):  # type: ignore[arg-type]
-            raise UnsupportedModuleError(
-                f"per-sample fallback for module {name!r}: output {k!r} has shape "
-                f"{tuple(v.shape)}, with no sample dim {batch_dim} of size {n}"
-            )
-    everything = {k: v.detach() for k, v in module.named_parameters()}
-    diff = {k: everything.pop(k) for k in names}
-    fixed = {**everything, **dict(module.named_buffers())}
-
-    def sample_loss(p: dict[str, Tensor], x: dict[str, Tensor], g: dict[str, Tensor]) -> Tensor:
-        x = {k: v.unsqueeze(batch_dim) if x_dims[k] is not None else v for k, v in x.items()}
-        args, kwargs = _bind(module, name, _nest(x))
-        out = functional_call(module, (p, fixed), tuple(args), kwargs, strict=False)
-        total = torch.zeros((), dtype=next(iter(p.values())).dtype, device=next(iter(p.values())).device)
-        for path, o in flatten_tensors(out, "output"):
-            if path in g:
-                total = total + (o * g[path].unsqueeze(batch_dim)).sum()
-        return total
-
-    g_dims = dict.fromkeys(gs, batch_dim)
-    try:
-        with quiet_vmap():
-            return vmap(grad(sample_loss), in_dims=(None, x_dims, g_dims), randomness="error")(
-                diff, xs, gs
-            )
-    except RuntimeError as err:
-        if "randomness" not in str(err):
-            raise
-        raise UnsupportedModuleError(
-            f"per-sample fallback for module {name!r} ({type(module).__name__}) replays its "
-            "forward, which draws random numbers (dropout in training mode?): the replay would "
-            "not see the same randomness; call .eval() on the random submodules or register a "
-            "per-sample rule for this type"
-        ) from err
+    if n is None:
+        n = next(iter(inputs.values())).shape[batch_dim]
+    args, kwargs = _bind(module, name, _nest(inputs))
+    every = dict(module.named_parameters())
+    params = {k: every[k] for k in names}
+    gs = {k: g for k, g in grad_outputs.items() if g is not None}
+    return replay_call(module, name, args, kwargs, gs, params, batch_dim, n, scale, samples)

@@ -2,7 +2,7 @@
 
 Rules are pure functions of one module call. They see the forward input and the gradient of
 the loss w.r.t. the output, both with the sample index at dim 0 and the gradient already
-scaled so that sample ``n``'s slice is ``d s_n / d output`` (DESIGN.md "Per-sample"):
+scaled so that sample ``n``'s slice is ``d s_n / d output`` (docs/semantics.md, "Per-sample gradients"):
 
 * ``GRAD[type](module, inp, grad_out, names) -> {name: [N, *param.shape]}``: per-sample
   gradients of the module's own parameters listed in ``names``;

@@ -3,8 +3,8 @@
 ``write_report(run_dir)`` writes ``run_dir/report.html``: gradient norms per layer over steps
 (log scale), a layers-by-steps heatmap, histograms over time, EWMA bands, update-to-weight
 ratios, anomalies and the run's metadata, as inline SVG in a self-contained page.
-``list_runs(root)`` finds run directories; :mod:`gradtap.report.demo` holds ``gradtap demo``'s
-training loop.
+``list_runs(root)`` finds run directories. The report only reads and renders a run; the
+training loop of ``gradtap demo`` lives in :mod:`gradtap.demo`.
 """
 
 from gradtap.report.data import (

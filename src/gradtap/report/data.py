@@ -379,7 +379,7 @@ def _derived_anomalies(data: ReportData) -> list[dict[str, Any]]:
                             "steps": int(len(bad)), "max_count": int(np.nanmax(vals[bad])),
                             "last_step": int(st[bad[-1]])})
     kind_rank = {"grad_output": 0, "param_grad": 1, "update": 2}
-    out.sort(key=lambda a: (a["step"], kind_rank.get(a["kind"], 9)))  # stable: model order
+    out.sort(key=lambda a: (a["step"], kind_rank.get(str(a["kind"]), 9)))  # stable: model order
     return out
 
 

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from gradtap._tensorops import ewma_init, ewma_update_
+from gradtap._text import format_number
 from gradtap.report import svg
 from gradtap.report.data import ReportData, build_report_data
 from gradtap.store import Run
@@ -131,20 +134,22 @@ def _empty(message: str) -> str:
 
 
 def _ewma_band(values: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md's EWMA over a series (mean and std), skipping non-finite values."""
+    """The EWMA mean and std of a series (the Monitor's formula), skipping non-finite values.
+
+    Before the first finite value both are NaN; a non-finite value leaves the EWMA as it was.
+    """
     m = np.full(len(values), math.nan)
     s = np.full(len(values), math.nan)
-    mean = var = None
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
     for i, g in enumerate(values.tolist()):
         if math.isfinite(g):
-            if mean is None:
-                mean, var = g, 0.0
+            value = torch.tensor(g, dtype=torch.float64)
+            if state is None:
+                state = ewma_init(value)
             else:
-                d = g - mean
-                mean = mean + (1 - beta) * d
-                var = beta * (var + (1 - beta) * d * d)
-        if mean is not None:
-            m[i], s[i] = mean, math.sqrt(var)
+                ewma_update_(*state, value, beta)
+        if state is not None:
+            m[i], s[i] = state[0].item(), math.sqrt(state[1].item())
     return m, s
 
 
@@ -185,7 +190,7 @@ def _kv_table(rows: Sequence[tuple[str, Any]]) -> str:
 
 def _value(v: Any) -> str:
     if isinstance(v, float):
-        return escape(svg.fmt(v))
+        return escape(format_number(v, short=True))
     if isinstance(v, (dict, list)):
         return f"<code>{escape(json.dumps(v, default=str))}</code>"
     return escape("—" if v is None else str(v))
@@ -204,12 +209,13 @@ def _overview(data: ReportData) -> str:
              ("parameters", f"{model.get('num_parameters', 0):,}" if isinstance(
                  model.get("num_parameters"), int) else "?")]
     for k, v in data.summary.items():
-        cards.append((k, f"{v:.1%}" if "accuracy" in k and math.isfinite(v) else svg.fmt(v)))
+        cards.append((k, f"{v:.1%}" if "accuracy" in k and math.isfinite(v)
+                      else format_number(v, short=True)))
     loss = data.metrics.get("loss")
     if loss is not None and len(loss[1]):
         fin = loss[1][np.isfinite(loss[1])]
         if len(fin):
-            cards.append(("final loss", svg.fmt(float(fin[-1]))))
+            cards.append(("final loss", format_number(float(fin[-1]), short=True)))
     n_anom = len(data.anomalies) + (0 if data.anomalies else len(data.derived_anomalies))
     cards.append(("anomalies", str(n_anom)))
     html = '<div class="cards">' + "".join(
@@ -372,7 +378,7 @@ def _ewma(data: ReportData) -> str:
     note = (f"EWMA factor beta = {beta:g}"
             + (f" (the run's ewma={beta_run:g}, shortened to fit {n} steps)"
                if isinstance(beta_run, (int, float)) and abs(beta - beta_run) > 1e-12 else "")
-            + ", DESIGN.md's formula, over each step's gradient norm (grey). The band is ±1 EWMA "
+            + ", the Monitor's formula, over each step's gradient norm (grey). The band is ±1 EWMA "
               "standard deviation: wide bands mean noisy gradients.")
     html = f'<p class="muted">{escape(note)}</p><div class="grid2">{"".join(cells)}</div>'
     if data.ewma:
@@ -386,9 +392,9 @@ def _ewma(data: ReportData) -> str:
             rows.append(f"<tr><td><code>{escape(name)}</code></td><td>{escape(_shape(e.get('shape')))}"
                         f"</td><td>{e.get('updates')}</td><td>{_value(e.get('mean_norm'))}</td>"
                         f"<td>{_value(rms_std)}</td><td>{_value(snr)}</td></tr>")
-        poisoned = sum(1 for e in data.ewma.values()
-                       if not math.isfinite(e.get("mean_norm") if isinstance(
-                           e.get("mean_norm"), float) else math.nan))
+        poisoned = len([e for e in data.ewma.values()
+                        if not (isinstance(e.get("mean_norm"), float)
+                                and math.isfinite(e["mean_norm"]))])
         if poisoned:
             html += (f'<div class="callout warn">The Monitor\'s EWMA state is NaN for {poisoned} of '
                      f"{len(data.ewma)} parameters: a non-finite gradient entered it (see "

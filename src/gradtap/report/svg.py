@@ -17,6 +17,8 @@ from html import escape
 
 import numpy as np
 
+from gradtap._text import format_number
+
 __all__ = [
     "PALETTE", "Band", "Line", "color_for", "heatmap", "line_chart", "ridgelines", "viridis",
 ]
@@ -45,21 +47,6 @@ def viridis(t: float) -> str:
     f = t - i
     a, b = _VIRIDIS[i], _VIRIDIS[i + 1]
     return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
-
-
-def fmt(v: float) -> str:
-    """A short, readable number: ``0.0123``, ``1.2e-05``, ``3.4k``."""
-    if not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e5 or a < 1e-3:
-        m, e = f"{v:.2e}".split("e")
-        return f"{m.rstrip('0').rstrip('.')}e{int(e)}"
-    if a >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.4g}"
 
 
 def _tick_label(v: float) -> str:
@@ -424,7 +411,7 @@ def heatmap(
                 color, cls = viridis(t), ""
             where = (f"steps {col_edges[c][0]:g}–{col_edges[c][1]:g}" if col_edges
                      and col_edges[c][0] != col_edges[c][1] else f"step {step:g}")
-            tip = escape(f"{name}, {where}: {value_label} {fmt(v)}")
+            tip = escape(f"{name}, {where}: {value_label} {format_number(v, short=True)}")
             parts.append(f'<rect x="{f.left + c * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" '
                          f'height="{row_height - 1}" fill="{color}"{cls}><title>{tip}</title></rect>')
         parts.append("</g>")
@@ -450,7 +437,7 @@ def _colorbar(x: float, y: float, w: float, lo: float, hi: float, log: bool, lab
     cells = "".join(f'<rect x="{x + i * w / n:.1f}" y="{y}" width="{w / n + 0.3:.1f}" height="10" '
                     f'fill="{viridis(i / (n - 1))}"/>' for i in range(n))
     def show(v: float) -> str:
-        return fmt(float(f"{10**v:.3g}")) if log else fmt(v)
+        return format_number(float(f"{10**v:.3g}") if log else v, short=True)
     return (f'<g class="gt-colorbar">{cells}'
             f'<text x="{x}" y="{y + 24}" text-anchor="start">{show(lo)}</text>'
             f'<text x="{x + w}" y="{y + 24}" text-anchor="end">{show(hi)}</text>'

@@ -3,7 +3,7 @@
 :func:`run_demo` trains a tiny conv net on ``sklearn.datasets.load_digits`` (8x8 images, bundled
 with scikit-learn, no download) while a :class:`~gradtap.Monitor` writes a run store, a
 transform rule normalizes (then clips) the conv weight gradients, and, when
-:mod:`gradtap.detect` is available, anomaly detection records where a NaN came from. It returns
+:func:`gradtap.detect` is available, anomaly detection records where a NaN came from. It returns
 data; printing is the command line's job (``gradtap demo``).
 
 Files written into the run directory: ``run.db`` (the Monitor's store), ``anomalies.json``
@@ -129,7 +129,7 @@ def run_demo(
 
     The run directory ``out`` is replaced if it already holds a run. At step ``inject_nan``
     block2's forward output gets one NaN; that step's optimizer step is skipped (detect's
-    ``should_skip()``, or a non-finite loss when :mod:`gradtap.detect` is not available) and
+    ``should_skip()``, or a non-finite loss when :func:`gradtap.detect` is not available) and
     training goes on.
 
     Args:
@@ -154,6 +154,7 @@ def run_demo(
     Raises:
         ValueError: ``steps`` < 1, or ``inject_nan`` outside ``[0, steps)``.
     """
+    detect: Callable[..., Any] | None
     try:  # detect is a later capability; the demo works without it
         from gradtap._detect import detect
     except ImportError:
@@ -178,8 +179,8 @@ def run_demo(
 def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_size: int,
            lr: float, hist_bins: int, kinds: tuple[str, ...], progress: ProgressFn | None,
            start: float, detect: Any, spike: float | None) -> DemoResult:
-    from gradtap.monitor import Monitor
     from gradtap._transform import chain, clip_norm, normalize, transform
+    from gradtap.monitor import Monitor
 
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_tensors(seed)

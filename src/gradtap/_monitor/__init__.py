@@ -1,0 +1,13 @@
+"""The Monitor's implementation (public as ``gradtap.Monitor``).
+
+* :mod:`~gradtap._monitor.monitor`   the Monitor: options, hooks, one step, queries
+* :mod:`~gradtap._monitor.reducer`   which statistics of which tensors, one host copy per step
+* :mod:`~gradtap._monitor.snapshots` kinds ``update`` and ``grad_cosine``
+* :mod:`~gradtap._monitor.ewma`      the elementwise EWMA of each parameter gradient
+* :mod:`~gradtap._monitor.history`   series ids and the run kept in memory (the store's API)
+* :mod:`~gradtap._monitor.meta`      the run metadata
+"""
+
+from gradtap._monitor.monitor import DEFAULT_STATS, KINDS, Monitor
+
+__all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]

@@ -1,0 +1,73 @@
+"""The Monitor's elementwise EWMA of each parameter gradient (formula in ``_tensorops.ewma``)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor
+
+from gradtap._tensorops import ewma_init, ewma_update_, group_norms
+
+__all__ = ["GradEwma", "unknown_name"]
+
+
+class GradEwma:
+    """Per parameter, the EWMA ``(mean, var)`` of its gradient and how many steps fed it.
+
+    Args:
+        beta: the EWMA factor, ``0 <= beta < 1``.
+        names: the selected parameter names (for error messages).
+    """
+
+    def __init__(self, beta: float, names: Iterable[str]) -> None:
+        self.beta = beta
+        self._names = list(names)
+        self._known = set(self._names)
+        self._state: dict[str, tuple[Tensor, Tensor]] = {}
+        self._updates: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._state)
+
+    def update(self, grads: Mapping[str, Tensor]) -> None:
+        """Advance the EWMA of each gradient given (a first gradient starts it)."""
+        for name, g in grads.items():
+            state = self._state.get(name)
+            if state is None:
+                self._state[name] = ewma_init(g)
+                self._updates[name] = 1
+            else:
+                ewma_update_(state[0], state[1], g, self.beta)
+                self._updates[name] += 1
+
+    def state(self, name: str) -> tuple[Tensor, Tensor]:
+        """``(mean, var)`` of ``name`` (the live tensors).
+
+        Raises:
+            KeyError: ``name`` is not a selected parameter, or had no gradient yet.
+        """
+        if name not in self._state:
+            if name in self._known:
+                raise KeyError(f"parameter {name!r} has had no gradient at a computed step yet")
+            raise KeyError(unknown_name(name, self._names, "selected parameter"))
+        return self._state[name]
+
+    def summaries(self) -> list[tuple[Any, ...]]:
+        """One row per parameter for ``RunWriter.write_ewma``: ``(name, beta, updates, numel,
+        shape_json, mean_norm, mean_absmax, var_mean, var_max)``."""
+        rows = []
+        for name, (m, v) in self._state.items():
+            rows.append((name, self.beta, self._updates[name], m.numel(),
+                         json.dumps(list(m.shape)), float(group_norms([m], accurate=True)[0]),
+                         float(m.abs().max()), float(v.mean()), float(v.max())))
+        return rows
+
+
+def unknown_name(name: str, names: list[str], what: str) -> str:
+    """``no <what> named <name>``, with the close matches among ``names``."""
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    hint = f"; close names: {', '.join(close)}" if close else ""
+    return f"no {what} named {name!r}{hint}"

@@ -1,0 +1,403 @@
+"""The Monitor: streaming per-layer gradient statistics, composed of its parts.
+
+The parameter kinds (``param_grad``, ``param``, ``update``, ``grad_cosine``) need no hook at
+all: ``mon.step()`` reads ``p.grad`` / ``p`` and reduces every selected tensor in grouped,
+batched form with one device-to-host copy (:mod:`~gradtap._monitor.reducer`). Only
+``grad_output`` (activation gradients) and ``local_grads=True`` (DDP gradients before their
+all-reduce) hook the model, through :mod:`gradtap.capture`; their hooks only launch device
+reductions, never sync with the host. Finished rows go to one history
+(:mod:`~gradtap._monitor.history`): the SQLite store, or a run in memory with the same API.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from gradtap import _tensorops as ops
+from gradtap import distributed
+from gradtap._monitor.ewma import GradEwma
+from gradtap._monitor.history import MemoryRun, SeriesTable, StepRows
+from gradtap._monitor.meta import run_meta
+from gradtap._monitor.reducer import Part, StepReducer
+from gradtap._monitor.snapshots import Snapshots
+from gradtap._types import Selector
+from gradtap.capture import HookSet, tap
+from gradtap.record import GradRecord
+from gradtap.select import select_parameters
+from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
+
+KINDS = KIND_NAMES
+DEFAULT_STATS = ("norm", "mean", "std", "absmax", "nonfinite")
+_PARAM_KINDS = ("param_grad", "param", "update", "grad_cosine")
+
+
+class Monitor:
+    """Collect per-layer gradient statistics every step, cheaply enough to leave on.
+
+    Call :meth:`step` once per training step, after ``backward()`` (before or after
+    ``optimizer.step()``; before ``zero_grad()``). Steps count from 0: the first ``step()``
+    closes step 0, and ``every=k`` computes the steps with ``step % k == 0``.
+
+    Kinds of tensors (``kinds=``):
+
+    * ``param_grad`` ``p.grad`` of each selected parameter (DDP: after the all-reduce, already
+      global; ``local_grads=True`` takes the rank-local gradient before it and reduces its
+      statistics across ranks).
+    * ``grad_output`` dL/d(output) of each selected module, named ``"<module>:<output path>"``;
+      a module called several times in a step gets the statistics of all its calls' elements
+      together. Rank-local under DDP, so reduced across ranks.
+    * ``param`` the parameter values; ``update`` their change since the previous ``step()``
+      (from the second step on; keeps one copy of the parameters) plus stat ``ratio`` =
+      update norm / parameter norm (0 when the update is zero);
+      ``grad_cosine`` stat ``cosine`` between this step's and the previous step's gradient
+      (0 when either is all zeros; keeps one copy of the gradients).
+
+    Statistics (``stats=``) are taken over all elements:
+    ``norm`` (L2), ``mean``, ``std`` (population), ``absmax``, ``min``, ``max``, ``nonfinite``
+    (count of NaN/Inf), ``zero_frac``. NaN propagates into mean/std/norm/absmax/min/max.
+
+    Args:
+        model: the model to watch.
+        select: parameter selector for the parameter kinds and module selector for
+            ``grad_output`` (glob, list of globs, class, predicate; see ``gt.select_*``).
+        stats: statistic names (default ``norm, mean, std, absmax, nonfinite``).
+        kinds: which tensors to watch (default ``("param_grad",)``).
+        ewma: factor ``beta`` of an elementwise EWMA of each parameter gradient
+            (``m = g, v = 0``, then ``d = g - m; m += (1 - beta) d; v = beta (v + (1 - beta) d^2)``);
+            ``None`` turns it off. Advanced on computed steps, from the global gradient.
+        hist_bins: number of histogram bins per tensor and step (``None``: no histograms).
+        every: compute every ``every`` steps.
+        store: run directory for a crash-safe SQLite store (``None``: keep in memory).
+        hist_scale: ``"symlog"`` (default) or ``"linear"`` bins.
+        hist_range: ``(lo, hi)`` of the bins (default ``(-10, 10)`` symlog, ``(-1, 1)`` linear);
+            values outside fall in the end bins.
+        hist_linthresh: magnitude below which symlog bins are linear.
+        local_grads: under DDP, watch rank-local parameter gradients (see above).
+        overwrite: replace an existing store at ``store``.
+        meta: extra JSON-serialisable metadata for the run (checked when a store is written).
+
+    Raises:
+        SelectionError: ``select`` matches nothing.
+        ValueError: unknown stat or kind names (listing the valid ones), or a bad option.
+        StoreError: ``store`` already holds a run and ``overwrite`` is false.
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        >>> with gt.Monitor(net, ewma=0.9) as mon:
+        ...     for _ in range(3):
+        ...         net(torch.randn(16, 4)).pow(2).mean().backward()
+        ...         mon.step()
+        ...         net.zero_grad()
+        >>> df = mon.frame()
+        >>> sorted(df["stat"].unique())
+        ['absmax', 'mean', 'nonfinite', 'norm', 'std']
+        >>> mon.ewma_var("0.weight").shape
+        torch.Size([8, 4])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        select: Selector = "*",
+        stats: Sequence[str] = DEFAULT_STATS,
+        kinds: Sequence[str] = ("param_grad",),
+        ewma: float | None = None,
+        hist_bins: int | None = None,
+        every: int = 1,
+        store: str | os.PathLike[str] | None = None,
+        *,
+        hist_scale: str = "symlog",
+        hist_range: tuple[float, float] | None = None,
+        hist_linthresh: float = 1e-8,
+        local_grads: bool = False,
+        overwrite: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
+        self.stats = ops.check_stats(stats)
+        self.kinds = _check_kinds(kinds)
+        if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
+            raise ValueError(f"ewma must be None or a factor beta with 0 <= beta < 1; got {ewma!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int; got {every!r}")
+        if local_grads and "param_grad" not in self.kinds:
+            raise ValueError("local_grads=True watches param_grad; add 'param_grad' to kinds")
+        edges = None if hist_bins is None else ops.hist_edges(
+            hist_bins, hist_scale, hist_range, hist_linthresh)
+        if not self.stats and edges is None and ewma is None and not (
+                {"update", "grad_cosine"} & set(self.kinds)):
+            raise ValueError("nothing to compute: stats is empty and there are no histograms, "
+                             "EWMA, update ratio or grad_cosine")
+        self.ewma_beta = None if ewma is None else float(ewma)
+        self.every = every
+        self.local_grads = local_grads
+        self.rank, self.world_size = distributed.world()
+        # Known at construction (create the Monitor after init_process_group, as DDP needs).
+        self._reducer = StepReducer(self.stats, edges, reduce=distributed.is_distributed())
+
+        wants_params = bool(set(self.kinds) & set(_PARAM_KINDS)) or ewma is not None
+        self._params: list[tuple[str, nn.Parameter]] = (
+            select_parameters(model, select) if wants_params else [])
+        self._ewma = None if self.ewma_beta is None else GradEwma(
+            self.ewma_beta, [n for n, _ in self._params])
+        self._snapshots = Snapshots(self._params, update="update" in self.kinds,
+                                    cosine="grad_cosine" in self.kinds)
+
+        self._step = 0
+        self._active = True
+        self._closed = False
+        self._pending: list[Part] = []
+        self._local: dict[str, Tensor] = {}
+        self._series = SeriesTable()
+
+        self._hooks = HookSet()
+        self._tap = None
+        self._writer: RunWriter | None = None
+        self._store_path = None if store is None else os.fspath(store)
+        try:
+            if "grad_output" in self.kinds:
+                self._tap = tap(model, select, store=False, on_record=self._on_record)
+            if local_grads:
+                for name, p in self._params:
+                    if p.requires_grad:
+                        self._hooks.post_accumulate_grad(p, self._local_hook(name))
+            to_store = self._store_path is not None and self.rank == 0
+            run_info = run_meta(
+                model, select=select, config={
+                    "stats": list(self.stats), "kinds": list(self.kinds), "ewma": self.ewma_beta,
+                    "every": self.every, "local_grads": self.local_grads,
+                    "hist_bins": None if edges is None else edges.numel() - 1},
+                parameters=[n for n, _ in self._params],
+                modules=self._tap.names if self._tap is not None else [],
+                world_size=self.world_size, edges=None if edges is None else edges.tolist(),
+                extra=meta, check=to_store)
+            # The one history: written step by step, read back by every query.
+            self._sink: RunWriter | MemoryRun
+            if to_store:
+                assert self._store_path is not None
+                self._sink = self._writer = RunWriter(self._store_path, run_info,
+                                                      overwrite=overwrite)
+            else:
+                self._sink = MemoryRun(run_info)
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def steps_done(self) -> int:
+        """Number of ``step()`` calls so far (the next step's number)."""
+        return self._step
+
+    @property
+    def run(self) -> Run | None:
+        """The :class:`~gradtap.Run` over this monitor's store (rank 0), else ``None``."""
+        if self._writer is None or self._store_path is None:
+            return None
+        return Run(self._store_path)
+
+    def step(self) -> None:
+        """Close the current step: compute its statistics if it is due, then advance.
+
+        Raises:
+            RuntimeError: the monitor was closed.
+        """
+        if self._closed:
+            raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
+        s = self._step
+        try:
+            if self._active:
+                self._compute(s)
+            if (s + 1) % self.every == 0:
+                self._snapshots.take(s)
+        finally:
+            self._pending = []
+            self._local = {}
+            if self._tap is not None:
+                self._tap.clear()
+            self._step = s + 1
+            self._active = self._step % self.every == 0
+
+    def frame(
+        self,
+        names: str | Sequence[str] | None = None,
+        stats: str | Sequence[str] | None = None,
+        kinds: str | Sequence[str] | None = None,
+    ) -> pd.DataFrame:
+        """Return the statistics so far as a long DataFrame ``step, name, kind, stat, value``.
+
+        The same table as ``gt.open_run(store).frame(...)``; arguments filter as there.
+
+        Raises:
+            ImportError: pandas is missing (``pip install gradtap[pandas]``).
+        """
+        return self._history().frame(names=names, stats=stats, kinds=kinds)
+
+    def histogram(self, name: str, kind: str = "param_grad") -> Histogram:
+        """Return ``(bin_edges [B+1], counts [steps, B])`` of one tensor (``.steps`` [steps]).
+
+        Raises:
+            KeyError: histograms are off, or none was recorded for ``name`` and ``kind``.
+        """
+        return self._history().histogram(name, kind)
+
+    def ewma_mean(self, name: str) -> Tensor:
+        """Elementwise EWMA mean of parameter ``name``'s gradient (a copy, its shape).
+
+        Raises:
+            ValueError: the EWMA is off (``ewma=None``).
+            KeyError: ``name`` is not a selected parameter, or had no gradient yet.
+        """
+        return self._ewma_state(name)[0].clone()
+
+    def ewma_var(self, name: str) -> Tensor:
+        """Elementwise EWMA variance of parameter ``name``'s gradient (see ``ewma=``).
+
+        Raises:
+            ValueError: the EWMA is off (``ewma=None``).
+            KeyError: ``name`` is not a selected parameter, or had no gradient yet.
+        """
+        return self._ewma_state(name)[1].clone()
+
+    def close(self, status: str = "finished") -> None:
+        """Remove hooks, store EWMA summaries and ``status`` in the run metadata, close the
+        store. Safe to call twice; :meth:`frame` keeps working afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_hooks()
+        try:
+            if self._ewma:
+                self._sink.write_ewma(self._ewma.summaries())
+        finally:
+            self._sink.close(status)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close("failed" if exc_type is not None else "finished")
+
+    def __repr__(self) -> str:
+        where = f"store={self._store_path!r}" if self._store_path else "in memory"
+        return (f"<Monitor kinds={list(self.kinds)} stats={list(self.stats)} every={self.every} "
+                f"steps={self._step} {where}{' closed' if self._closed else ''}>")
+
+    # -- hooks (run inside backward: device work only, never a host sync) ---------------------
+
+    def _on_record(self, rec: GradRecord) -> None:
+        if not self._active:
+            return
+        keys, tensors = [], []
+        for path, g in rec.grad_outputs.items():
+            if g is not None and g.numel() and g.is_floating_point():
+                keys.append(f"{rec.module_name}:{path}")
+                tensors.append(g)
+        if tensors:
+            self._pending.append(self._reducer.part(keys, tensors))
+
+    def _local_hook(self, name: str) -> Any:
+        def hook(p: Tensor) -> None:
+            # DDP copies the reduced gradient back into p.grad later: keep this rank's own.
+            if self._active and p.grad is not None:
+                self._local[name] = p.grad.detach().clone()
+
+        return hook
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _compute(self, s: int) -> None:
+        copy = ops.HostCopy()
+        red = self._reducer
+        jobs = []
+        grads = {}
+        for n, p in self._params:
+            g = p.grad
+            if g is not None and g.numel():
+                grads[n] = g
+        if "param_grad" in self.kinds:
+            if self.local_grads:
+                names = [n for n, p in self._params if p.requires_grad]
+                present = [n for n in names if n in self._local]
+                device = next((p.device for _, p in self._params), torch.device("cpu"))
+                jobs.append(red.local("param_grad", names, present,
+                                      [self._local[n] for n in present], copy, device))
+            elif grads:
+                jobs.append(red.tensors("param_grad", list(grads), list(grads.values()), copy))
+        if "grad_output" in self.kinds and self._pending:
+            jobs.append(red.parts(self._pending, copy))
+        wants_params = "param" in self.kinds or "update" in self.kinds
+        params = [(n, p.detach()) for n, p in self._params if p.numel()] if wants_params else []
+        if "param" in self.kinds and params:
+            jobs.append(red.tensors("param", [n for n, _ in params], [p for _, p in params], copy))
+        ratio = None
+        update = self._snapshots.updates(s, params)
+        if update is not None:
+            names, cur, diffs = update
+            jobs.append(red.tensors("update", names, diffs, copy))
+            ratio = self._snapshots.queue_ratio(cur, diffs, copy)
+        cosine = self._snapshots.queue_cosine(s, grads, copy)
+        if self._ewma is not None:
+            self._ewma.update(grads)
+        copy.run()
+
+        rows = StepRows(self._series)
+        for job in jobs:
+            names, count, fields = red.finish(job, copy, s)
+            if not names:
+                continue
+            columns = red.columns(count, fields)
+            if job.kind == "update" and ratio is not None:
+                columns["ratio"] = ratio()
+            rows.add(job.kind, names, columns)
+            if fields.hist is not None:
+                rows.add_hists(job.kind, names, fields.hist)
+        if cosine is not None:
+            rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
+        self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _history(self) -> Run | MemoryRun:
+        """The one view every query reads: the store's ``Run``, or the run in memory."""
+        if self._writer is not None:
+            assert self._store_path is not None
+            return Run(self._store_path)
+        assert isinstance(self._sink, MemoryRun)
+        return self._sink
+
+    def _ewma_state(self, name: str) -> tuple[Tensor, Tensor]:
+        if self._ewma is None:
+            raise ValueError("the EWMA is off; pass ewma=0.99 (its factor beta) to Monitor")
+        return self._ewma.state(name)
+
+    def _remove_hooks(self) -> None:
+        if self._tap is not None:
+            self._tap.remove()
+        self._hooks.remove()
+
+
+def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"unknown kind(s) {', '.join(map(repr, bad))}; valid kinds are: "
+                         f"{', '.join(KINDS)}")
+    if not kinds:
+        raise ValueError(f"kinds is empty; choose from: {', '.join(KINDS)}")
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds lists a kind twice: {list(kinds)}")
+    return kinds

@@ -1,0 +1,202 @@
+"""The step reducer: which statistics of which tensors, with one host copy per step.
+
+Each kind's tensors become a *job*: their moments are launched on the device (batched
+``torch._foreach_*`` kernels, :mod:`gradtap._tensorops`), queued on the step's one
+:class:`~gradtap._tensorops.HostCopy`, and after the copy finished into rows of statistics.
+Three shapes of job:
+
+* tensors read at the step (``param_grad``, ``param``, ``update``): moments on the host side
+  are completed lazily (non-finite counts, two-pass ``m2`` for a dominant mean);
+* parts recorded during backward (``grad_output``, one part per call): exact moments, combined
+  per name on the host;
+* rank-local tensors under a process group (``grad_output``, ``local_grads``): exact moments,
+  combined per name and reduced across ranks on the device before the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradtap import _tensorops as ops
+from gradtap import distributed
+from gradtap._tensorops import HostCopy, Moments
+from gradtap._tensorops import moments as ops_moments
+
+__all__ = ["Part", "StepReducer"]
+
+#: One call's grad_output tensors: their names, element counts and grouped device moments.
+Part = tuple[list[str], np.ndarray, list[tuple[list[int], Moments[Tensor]]]]
+
+
+class _Job:
+    """The tensors of one kind at one step, queued for the single host copy."""
+
+    __slots__ = ("kind", "names", "tensors", "count", "gather", "group", "exact", "reduced")
+
+    def __init__(self, kind: str, names: list[str]) -> None:
+        self.kind = kind
+        self.names = names
+        self.tensors: list[Tensor] = []
+        self.count = np.zeros(0)
+        self.gather: Callable[[], Moments[np.ndarray]] | None = None
+        self.group: np.ndarray | None = None  # parts -> names, when parts are combined
+        # (rows, gather) of two-pass m2 queued up front
+        self.exact: tuple[np.ndarray, Callable[[], Moments[np.ndarray]]] | None = None
+        # (count, fields, check) handles of the device/DDP path
+        self.reduced: tuple[int, dict[str, int], int] | None = None
+
+
+class StepReducer:
+    """Turns a step's tensors into rows of statistics: ``stats`` and histograms over ``edges``.
+
+    Remembers, per kind, which names needed the two-pass ``m2`` last time, so that their
+    centred pass is launched up front (no second host copy) from then on.
+
+    Args:
+        stats: statistic names (checked).
+        edges: histogram bin edges [B+1], or ``None`` for no histograms.
+        reduce: reduce rank-local jobs across the ranks of the process group.
+    """
+
+    def __init__(self, stats: Sequence[str], edges: Tensor | None, *, reduce: bool) -> None:
+        self.stats = tuple(stats)
+        self.edges = edges
+        self.reduce = reduce
+        self._needs = ops.needs_for(self.stats)
+        self._needs_exact = ops.needs_for(self.stats, exact_nonfinite=True)
+        self._scratch = ops.Scratch()
+        self._exact_names: dict[str, set[str]] = {}
+
+    # -- queueing (device work only, no host sync) -------------------------------------------
+
+    def part(self, keys: list[str], tensors: list[Tensor]) -> Part:
+        """Launch the exact moments of one call's tensors (inside backward)."""
+        count = np.array([t.numel() for t in tensors], dtype=np.float64)
+        groups = ops.tensor_moments(tensors, self._needs_exact, edges=self.edges,
+                                    exact_m2=True, scratch=self._scratch)
+        return keys, count, groups
+
+    def tensors(self, kind: str, names: list[str], tensors: list[Tensor], copy: HostCopy) -> _Job:
+        """A job over tensors that stay alive until :meth:`finish`."""
+        job = _Job(kind, names)
+        job.tensors = tensors
+        job.count = np.array([t.numel() for t in tensors], dtype=np.float64)
+        groups = ops.tensor_moments(tensors, self._needs, edges=self.edges)
+        job.gather = ops.host_moments(groups, len(tensors), copy)
+        known = self._exact_names.get(kind)
+        if known and self._needs.std:
+            rows = np.array([i for i, n in enumerate(names) if n in known], dtype=np.int64)
+            if len(rows):
+                # Looked up on the module at call time, like every caller of centered_moments.
+                exact = ops_moments.centered_moments([tensors[i] for i in rows],
+                                                     scratch=self._scratch)
+                job.exact = (rows, ops.host_moments(exact, len(rows), copy))
+        return job
+
+    def parts(self, pending: Sequence[Part], copy: HostCopy) -> _Job:
+        """A ``grad_output`` job over the parts recorded during backward."""
+        keys = [k for keys, _, _ in pending for k in keys]
+        names = sorted(set(keys))
+        position = {n: i for i, n in enumerate(names)}
+        group = np.array([position[k] for k in keys], dtype=np.int64)
+        job = _Job("grad_output", names)
+        count = np.concatenate([c for _, c, _ in pending])
+        if self.reduce:
+            fields = Moments.cat([_assemble(groups, len(k)) for k, _, groups in pending])
+            job.reduced = _queue_reduced(count, fields, group, names, copy)
+            return job
+        job.count = count
+        gathers = [ops.host_moments(groups, len(c), copy) for _, c, groups in pending]
+        job.group = group
+
+        def gather() -> Moments[np.ndarray]:
+            return Moments.cat([g() for g in gathers])
+
+        job.gather = gather
+        return job
+
+    def local(self, kind: str, names: list[str], present: list[str], tensors: list[Tensor],
+              copy: HostCopy, device: torch.device) -> _Job:
+        """A job over rank-local tensors of ``present`` names out of ``names`` (all ranks pass
+        the same ``names``); reduced across ranks when :attr:`reduce`."""
+        job = _Job(kind, names)
+        if not tensors:
+            if not self.reduce:
+                job.names = []
+                return job
+            # This rank saw no gradient, but the others may have: take part with empty rows.
+            fields = _empty_fields(self._needs_exact, self.edges, device)
+            job.reduced = _queue_reduced(np.zeros(0), fields, np.zeros(0, dtype=np.int64),
+                                         names, copy)
+            return job
+        count = np.array([t.numel() for t in tensors], dtype=np.float64)
+        groups = ops.tensor_moments(tensors, self._needs_exact, edges=self.edges,
+                                    exact_m2=True, scratch=self._scratch)
+        position = {n: i for i, n in enumerate(names)}
+        group = np.array([position[n] for n in present], dtype=np.int64)
+        job.reduced = _queue_reduced(count, _assemble(groups, len(tensors)), group, names, copy)
+        return job
+
+    # -- finishing (host, after the copy) ----------------------------------------------------
+
+    def finish(self, job: _Job, copy: HostCopy, step: int
+               ) -> tuple[list[str], np.ndarray, Moments[np.ndarray]]:
+        """``(names, element counts, refined moments)`` of a job after ``copy.run()``."""
+        if job.reduced is not None:
+            hc, hf, hcheck = job.reduced
+            if distributed.layout_mismatch(copy.get(hcheck)):
+                raise RuntimeError(
+                    f"ranks reduced different {job.kind} tensors at step {step}; every "
+                    "rank must run the selected modules and produce the same output slots"
+                )
+            count = copy.get(hc)
+            keep = np.flatnonzero(count > 0)
+            fields = Moments.coerce({f: copy.get(h)[keep] for f, h in hf.items()})
+            return [job.names[i] for i in keep], count[keep], fields
+        if not job.names or job.gather is None:
+            return [], job.count, Moments()
+        raw = job.gather()
+        count = job.count
+        if job.group is not None:  # parts (calls) with exact fields: combine them
+            refined = ops.refine_fields(count, raw)
+            count, refined = ops.combine_parts(count, refined, job.group, len(job.names))
+            return job.names, count, refined
+        exact = None if job.exact is None else (job.exact[0], job.exact[1]())
+        refined, unreliable = ops.complete_fields(job.tensors, count, raw, self._needs,
+                                                  exact=exact, scratch=self._scratch)
+        self._exact_names[job.kind] = {job.names[i] for i in unreliable} if len(unreliable) else set()
+        return job.names, count, refined
+
+    def columns(self, count: np.ndarray, fields: Moments[np.ndarray]) -> dict[str, np.ndarray]:
+        """The statistics, one array per stat name in :attr:`stats` order."""
+        return ops.finish_stats(count, fields, self.stats)
+
+
+def _assemble(groups: list[tuple[list[int], Moments[Tensor]]], n: int) -> Moments[Tensor]:
+    """Put the rows of ``tensor_moments`` groups back in tensor order, on one device."""
+    if len(groups) == 1:
+        return groups[0][1]
+    device = next(iter(groups[0][1].items()))[1].device
+    order = torch.tensor([i for idx, _ in groups for i in idx], device=device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(n, device=device)
+    return Moments.cat([m for _, m in groups]).map(lambda v: v[inverse])
+
+
+def _empty_fields(needs: ops.Needs, edges: Tensor | None, device: torch.device) -> Moments[Tensor]:
+    names = (*needs.fields(), *(("shift", "csum", "m2c") if needs.std else ()))
+    fields: dict[str, Any] = {f: torch.zeros(0, dtype=torch.float64, device=device) for f in names}
+    if edges is not None:
+        fields["hist"] = torch.zeros(0, edges.numel() - 1, dtype=torch.float64, device=device)
+    return Moments.coerce(fields)
+
+
+def _queue_reduced(count: np.ndarray, fields: Moments[Tensor], group: np.ndarray,
+                   names: list[str], copy: HostCopy) -> tuple[int, dict[str, int], int]:
+    rcount, rfields, check = distributed.reduce_parts(count, fields, group, names)
+    return copy.add(rcount), {f: copy.add(v) for f, v in rfields.items()}, copy.add(check)

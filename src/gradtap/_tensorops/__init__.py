@@ -1,0 +1,68 @@
+"""Tensor kernels shared by the consumers: host copy, norms, EWMA, moments, histograms.
+
+Everything here works on plain tensors and knows nothing about modules or hooks.
+
+* :mod:`~gradtap._tensorops.groups`     grouping by device and dtype, reusable work buffers
+* :mod:`~gradtap._tensorops.host`       the one device-to-host copy per step
+* :mod:`~gradtap._tensorops.l2`         L2 norms and accurate sums of squares, batched
+* :mod:`~gradtap._tensorops.ewma`       the elementwise EWMA of mean and variance
+* :mod:`~gradtap._tensorops.histograms` bin edges and batched bin counts
+* :mod:`~gradtap._tensorops.moments`    typed per-tensor moments and their device kernels
+* :mod:`~gradtap._tensorops.finish`     moments to statistics on the host
+"""
+
+from gradtap._tensorops.ewma import ewma_init, ewma_update_
+from gradtap._tensorops.finish import (
+    combine_parts,
+    complete_fields,
+    finish_stats,
+    refine_fields,
+    unreliable_m2,
+)
+from gradtap._tensorops.groups import Scratch, group_by_device_dtype
+from gradtap._tensorops.histograms import hist_edges, histogram_counts
+from gradtap._tensorops.host import HostCopy, to_host
+from gradtap._tensorops.l2 import group_norms, group_sumsq, norms
+from gradtap._tensorops.moments import (
+    MAX_FIELDS,
+    STAT_NAMES,
+    SUM_FIELDS,
+    Centered,
+    Moments,
+    Needs,
+    centered_moments,
+    check_stats,
+    host_moments,
+    needs_for,
+    tensor_moments,
+)
+
+__all__ = [
+    "MAX_FIELDS",
+    "STAT_NAMES",
+    "SUM_FIELDS",
+    "Centered",
+    "HostCopy",
+    "Moments",
+    "Needs",
+    "Scratch",
+    "centered_moments",
+    "check_stats",
+    "combine_parts",
+    "complete_fields",
+    "ewma_init",
+    "ewma_update_",
+    "finish_stats",
+    "group_by_device_dtype",
+    "group_norms",
+    "group_sumsq",
+    "hist_edges",
+    "histogram_counts",
+    "host_moments",
+    "needs_for",
+    "norms",
+    "refine_fields",
+    "tensor_moments",
+    "to_host",
+    "unreliable_m2",
+]
