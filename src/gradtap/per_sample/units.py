@@ -44,7 +44,6 @@ __all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "largest_norm"
 MAX_OUTER_CALLS = 64
 
 
-
 class Frame:
     """One call of an enclosing module: its arguments, and later its output gradients."""
 
