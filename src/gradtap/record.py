@@ -14,7 +14,6 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-# format_table is imported from here by the detect package; its home is gradtap._text.
 from gradtap._text import format_number, format_table
 
 __all__ = ["GradRecord", "flatten_tensors", "map_tensors"]

@@ -13,14 +13,15 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from gradtap.record import GradRecord, format_table
+from gradtap._text import format_number, format_table
+from gradtap.record import GradRecord
 
 __all__ = ["LOSS", "Anomaly", "AnomalyWarning", "Kind", "TensorStat", "Where"]
 
 Kind = Literal["nan", "inf", "spike"]
 Where = Literal["forward", "grad_output", "grad_input", "param_grad"]
 
-#: ``module_name`` of an anomaly in the loss (DESIGN.md).
+#: ``module_name`` of an anomaly in the loss.
 LOSS = "<loss>"
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -138,8 +139,8 @@ def stats_table(stats: Sequence[TensorStat]) -> list[str]:
     rows = []
     for s in stats:
         rows.append([
-            s.role, repr(s.key), _dtype_name(s.dtype), _shape(s.shape), _num(s.min), _num(s.max),
-            _num(s.absmax), "overflow" if s.inf else _of_max(s.dtype, s.absmax),
+            s.role, repr(s.key), _dtype_name(s.dtype), _shape(s.shape), format_number(s.min), format_number(s.max),
+            format_number(s.absmax), "overflow" if s.inf else _of_max(s.dtype, s.absmax),
             _count(s.nan), _count(s.inf)])
     header = ["tensor", "key", "dtype", "shape", "min", "max", "absmax", "of dtype max",
               "NaN", "Inf"]
@@ -174,36 +175,40 @@ def forward_hints(kind: Kind, inputs: Sequence[TensorStat], outputs: Sequence[Te
                   params: Sequence[TensorStat]) -> list[str]:
     """Likely causes of a NaN/Inf made in forward from finite inputs and parameters."""
     hints: list[str] = []
-    low = [s for s in [*inputs, *outputs, *params] if s.dtype in _LOW_PRECISION]
+    low = [s for s in [*inputs, *outputs, *params]
+           if s.dtype is not None and s.dtype in _LOW_PRECISION]
     negative = [s for s in inputs if s.min < 0]
     zero = [s for s in inputs if s.min <= 0 <= s.max]
     if kind == "inf" and low:
         dtype = low[0].dtype
+        assert dtype is not None  # low holds only summaries with a dtype
         top = max((s.absmax for s in [*inputs, *params] if math.isfinite(s.absmax)), default=0.0)
         hints.append(
             f"{_dtype_name(dtype)} overflow: values beyond its largest finite number "
-            f"{torch.finfo(dtype).max:g} become Inf (inputs and parameters reach {_num(top)}); "
+            f"{torch.finfo(dtype).max:g} become Inf (inputs and parameters reach {format_number(top)}); "
             "run this layer in float32 (e.g. outside torch.autocast, or .float()) or scale its "
             "inputs down")
     if kind == "nan" and negative:
         s = negative[0]
         hints.append(
-            f"input {s.key!r} has negative values (min {_num(s.min)}): sqrt, log or a "
+            f"input {s.key!r} has negative values (min {format_number(s.min)}): sqrt, log or a "
             "fractional pow of a negative number is NaN; clamp the argument "
             "(x.clamp_min(eps)) or use x.abs()")
     if kind == "inf" and zero:
         s = zero[0]
         hints.append(
-            f"input {s.key!r} reaches 0 (min {_num(s.min)}, max {_num(s.max)}): log(0) is -Inf "
+            f"input {s.key!r} reaches 0 (min {format_number(s.min)}, max {format_number(s.max)}): log(0) is -Inf "
             "and division by 0 is Inf; add an epsilon (log(x + eps), x / (y + eps))")
     exp_limit = {torch.float16: 11.09, torch.bfloat16: 88.72, torch.float32: 88.72,
                  torch.float64: 709.78}
-    big = [s for s in inputs if s.dtype in exp_limit and s.max > exp_limit[s.dtype]]
+    big = [s for s in inputs
+           if s.dtype is not None and s.dtype in exp_limit and s.max > exp_limit[s.dtype]]
     if kind in ("inf", "nan") and big:
         s = big[0]
         hints.append(
-            f"input {s.key!r} reaches {_num(s.max)}: exp overflows above "
-            f"{exp_limit[s.dtype]} in {_dtype_name(s.dtype)} (and Inf - Inf or Inf / Inf is "
+            f"input {s.key!r} reaches {format_number(s.max)}: exp overflows above "
+            f"{exp_limit.get(s.dtype) if s.dtype is not None else ''} in "
+            f"{_dtype_name(s.dtype)} (and Inf - Inf or Inf / Inf is "
             "NaN); use a stable form (logsumexp, log_softmax, softplus)")
     if not hints:
         if kind == "nan":
@@ -223,14 +228,14 @@ def backward_hints(kind: Kind, inputs: Sequence[TensorStat], grads: Sequence[Ten
     if zero:
         s = zero[0]
         hints.append(
-            f"the forward was finite, but input {s.key!r} reaches 0 (min {_num(s.min)}): the "
+            f"the forward was finite, but input {s.key!r} reaches 0 (min {format_number(s.min)}): the "
             "derivative of sqrt, pow(x, p < 1), log or 1/x is infinite at 0 (and 0 * Inf is "
             "NaN); add an epsilon (sqrt(x + eps)) or clamp the argument away from 0")
-    low = [s for s in grads if s.dtype in _LOW_PRECISION]
-    if low and kind == "inf":
+    low_dtypes = [s.dtype for s in grads if s.dtype is not None and s.dtype in _LOW_PRECISION]
+    if low_dtypes and kind == "inf":
         hints.append(
-            f"{_dtype_name(low[0].dtype)} gradient overflow (largest finite "
-            f"{torch.finfo(low[0].dtype).max:g}): lower the loss scale (torch.amp.GradScaler "
+            f"{_dtype_name(low_dtypes[0])} gradient overflow (largest finite "
+            f"{torch.finfo(low_dtypes[0]).max:g}): lower the loss scale (torch.amp.GradScaler "
             "skips such steps) or compute this layer in float32")
     if not hints:
         hints.append("this module's backward turned finite output gradients into non-finite "
@@ -267,10 +272,6 @@ def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def _num(x: float) -> str:
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return str(x)
-    return f"{x:.4g}"
 
 
 def _count(x: int | None) -> str:

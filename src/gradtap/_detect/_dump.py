@@ -12,7 +12,6 @@ A dump is a dict of tensors, strings, numbers, ``None`` and lists/dicts of them:
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import re
@@ -23,8 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from gradtap._detect._anomaly import Anomaly
+from gradtap._text import format_number, format_table
 from gradtap.errors import GradtapError
-from gradtap.record import GradRecord, format_table
+from gradtap.record import GradRecord
 
 __all__ = ["DumpError", "format_dump", "inspect_main", "load_dump", "write_dump"]
 
@@ -179,5 +179,5 @@ def _summary(t: Tensor | None) -> list[str]:
     if not t.is_floating_point():
         return [shape, dtype, "-", "0", "0"]
     norm = float(torch.linalg.vector_norm(t.double())) if t.numel() else 0.0
-    return [shape, dtype, f"{norm:.4g}" if math.isfinite(norm) else str(norm),
+    return [shape, dtype, format_number(norm),
             str(int(torch.isnan(t).sum())), str(int(torch.isinf(t).sum()))]

@@ -76,8 +76,8 @@ def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
 
 def _flag_from_norms(group: Sequence[Tensor], device: torch.device) -> Tensor:
     """``nonfinite_flags``' fallback: the list's norms summed, by device and dtype."""
-    total = sum(_norm_vector([group[i] for i in idx]).sum().to(device)
-                for idx in ops.group_by_device_dtype(group).values())
+    total = torch.stack([_norm_vector([group[i] for i in idx]).sum().to(device)
+                         for idx in ops.group_by_device_dtype(group).values()]).sum()
     return torch.isfinite(total).logical_not().to(torch.float32)
 
 

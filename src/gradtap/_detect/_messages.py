@@ -30,7 +30,8 @@ from gradtap._detect._anomaly import (
 from gradtap._detect._measure import Plan
 from gradtap._detect._screen import Suspect
 from gradtap._detect._spikes import Spike
-from gradtap.record import GradRecord, format_table
+from gradtap._text import format_number, format_table
+from gradtap.record import GradRecord
 
 __all__ = ["Found", "backward_anomaly", "forward_anomaly", "loss_anomaly",
            "loss_gradient_anomaly", "record_stats", "spike_anomaly", "unreproduced_anomaly"]
@@ -88,7 +89,7 @@ def loss_anomaly(step: int, loss: Tensor, outputs_finite: bool) -> Anomaly:
     """A non-finite loss after a finite forward."""
     stat = exact_stat(loss, "loss", "loss")
     kind = kind_of(stat)
-    value = f" = {float(loss):.4g}" if loss.numel() == 1 else ""
+    value = f" = {format_number(float(loss))}" if loss.numel() == 1 else ""
     head = (f"{'NaN' if kind == 'nan' else 'Inf'} in the loss{value} at step "
             f"{step}: it {counts_phrase(stat)}, while every selected module's "
             "forward was finite.")
@@ -168,10 +169,11 @@ def spike_anomaly(step: int, plan: Plan, kinds: list[Spike], mean: float, spike:
         slot = ",".join(k for k, _ in plan.params if "." not in k)
         what = "parameter-gradient norm"
     head = (f"Gradient spike in {label} at step {step}: its {what} ({slot}) is "
-            f"{value:.4g}, {value / mean if mean > 0 else math.inf:.3g}x its EWMA {mean:.4g} "
-            f"(threshold spike={spike:g} x EWMA = {limit:.4g}).")
+            f"{format_number(value)}, {value / mean if mean > 0 else math.inf:.3g}x its EWMA "
+            f"{format_number(mean)} "
+            f"(threshold spike={spike:g} x EWMA = {format_number(limit)}).")
     body = [f"also: {'output-gradient' if k == 'grad_output' else 'parameter-gradient'} "
-            f"norm {v:.4g} > {lim:.4g}" for _, _, k, v, lim in kinds[1:]]
+            f"norm {format_number(v)} > {format_number(lim)}" for _, _, k, v, lim in kinds[1:]]
     if rec is not None:
         body += ["gradients of this call (ranges of finite elements):",
                  *grad_table(record_stats(rec))]
@@ -254,7 +256,7 @@ def grad_table(stats: Sequence[TensorStat]) -> list[str]:
     for s in stats:
         n = math.prod(s.shape)
         rows.append([s.role, repr(s.key), str(s.dtype).removeprefix("torch."),
-                     "[" + ", ".join(map(str, s.shape)) + "]", f"{s.min:.4g}", f"{s.max:.4g}",
+                     "[" + ", ".join(map(str, s.shape)) + "]", format_number(s.min), format_number(s.max),
                      str(s.nan), str(s.inf), str(n)])
     header = ["gradient", "key", "dtype", "shape", "min", "max", "NaN", "Inf", "elements"]
     return ["  " + line for line in format_table(header, rows)]
