@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy src/gradtap
 
 bench: $(STAMP)
 	$(PIP) -e ".[bench]"

@@ -33,9 +33,13 @@ def to_tensorboard(run: Run | str | os.PathLike[str], log_dir: str | os.PathLike
         StoreError: ``run`` is not a readable run store.
 
     Example:
-        >>> import gradtap as gt  # doctest: +SKIP
-        >>> gt.to_tensorboard("runs/exp1", "tb/exp1")  # doctest: +SKIP
-        PosixPath('tb/exp1')
+        >>> import tempfile, torch, gradtap as gt
+        >>> tmp = tempfile.mkdtemp()
+        >>> net = torch.nn.Linear(3, 1)
+        >>> with gt.Monitor(net, store=f"{tmp}/run") as mon:
+        ...     net(torch.randn(4, 3)).sum().backward(); mon.step()
+        >>> gt.to_tensorboard(f"{tmp}/run", f"{tmp}/tb").name
+        'tb'
     """
     try:
         from torch.utils.tensorboard import SummaryWriter
