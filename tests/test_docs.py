@@ -20,7 +20,10 @@ DOCTEST_MODULES = ["gradtap.select", "gradtap.capture.taps", "gradtap.capture.li
                    "gradtap._tensorops.groups", "gradtap._tensorops.host",
                    "gradtap._tensorops.l2", "gradtap._tensorops.ewma",
                    "gradtap._tensorops.histograms", "gradtap._tensorops.moments",
-                   "gradtap._tensorops.finish"]
+                   "gradtap._tensorops.finish", "gradtap._transform.base",
+                   "gradtap._transform.library", "gradtap._transform.plan",
+                   "gradtap._transform.state", "gradtap._transform.update",
+                   "gradtap._transform.handle"]
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)
