@@ -13,11 +13,11 @@ tensors in place. State holds only tensors, numbers, strings, ``None`` and tuple
 of them, so ``torch.save`` followed by ``torch.load(weights_only=True)`` restores it.
 
 A transform may also offer ``update_many(grads, states, params, **extra) -> (new_grads,
-new_states)`` over every tensor one rule matched (lists, in plan order). The driver uses it
-with ``when="step"``, where all those gradients are known at once. A transform whose
-per-tensor ``update`` cannot be meaningful (``clip_global_norm``) is *group-only*: it can only
-run through ``update_many``, which the driver also calls at the end of each backward with
-``when="accumulate"``.
+new_states)`` over every tensor one rule matched (lists, in plan order).
+:func:`gradtap.transform` uses it with ``when="step"``, where all those gradients are known at
+once. A transform whose per-tensor ``update`` cannot be meaningful (``clip_global_norm``) is
+*group-only*: it can only run through ``update_many``, which :func:`gradtap.transform` also
+calls at the end of each backward with ``when="accumulate"``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["Transform", "chain", "is_group_only", "stateless"]
 State = Any
 
 # Marker set on the per-tensor ``update`` of group-only transforms (and of chains holding one),
-# so the driver can refuse them before any backward runs.
+# so gradtap.transform can refuse them before any backward runs.
 _GROUP_ONLY = "_gradtap_group_only"
 
 

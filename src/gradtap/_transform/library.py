@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_
+from gradtap._tensorops import ewma_init, ewma_update_, group_norms, norms
 from gradtap._transform.base import State, Transform, _mark_group_only, stateless
 
 __all__ = [
@@ -133,7 +133,9 @@ def clip_norm(max_norm: float) -> Transform:
     """Rescale the gradient so that its L2 norm is at most ``max_norm`` (per tensor).
 
     The gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, computed
-    as a clamped tensor factor (no host sync). The norm is taken in float32 or wider.
+    as a clamped tensor factor (no host sync). The norm is taken in float32 or wider, with
+    one ``torch._foreach_norm`` (:func:`gradtap._tensorops.group_norms`, the kernel
+    ``torch.nn.utils.clip_grad_norm_`` uses).
 
     Args:
         max_norm: the largest norm allowed, ``> 0``.
@@ -151,7 +153,7 @@ def clip_norm(max_norm: float) -> Transform:
     bound = _positive("max_norm", "clip_norm", max_norm)
 
     def fn(grad: Tensor, param: Tensor | None) -> Tensor:
-        norm = torch.linalg.vector_norm(grad, dtype=_compute_dtype(grad))
+        norm = group_norms([grad])[0]
         factor = (bound / (norm + _CLIP_EPS)).clamp_(max=1.0)
         return grad * factor.to(grad.dtype)
 
@@ -163,13 +165,14 @@ def clip_global_norm(max_norm: float) -> Transform:
 
     With ``total = sqrt(sum_i ||g_i||^2)`` over all the tensors one rule matched, each is
     multiplied by ``min(1, max_norm / (total + 1e-6))`` (like ``torch.nn.utils.clip_grad_norm_``
-    restricted to that rule's parameters). It needs all those gradients at once, so it is
-    *group-only*: calling its per-tensor ``update`` raises, and :func:`gradtap.transform`
-    (alone or inside a :func:`chain`) runs it through ``update_many`` on the accumulated
-    ``.grad`` of the rule's parameters, at the end of each backward (``when="accumulate"``,
-    the default: ``clip_grad_norm_`` after every backward) or right before each
-    ``optimizer.step()`` (``when="step"``). Parameters whose ``.grad`` is None are left out.
-    ``when="backward"`` and activation gradients refuse it.
+    restricted to that rule's parameters; the norms are :func:`gradtap._tensorops.norms`'
+    accurate float64 sums, one batch per device and dtype, so no host sync). It needs all
+    those gradients at once, so it is *group-only*: calling its per-tensor ``update`` raises,
+    and :func:`gradtap.transform` (alone or inside a :func:`chain`) runs it through
+    ``update_many`` on the accumulated ``.grad`` of the rule's parameters, at the end of each
+    backward (``when="accumulate"``, the default: ``clip_grad_norm_`` after every backward)
+    or right before each ``optimizer.step()`` (``when="step"``). Parameters whose ``.grad``
+    is None are left out. ``when="backward"`` and activation gradients refuse it.
 
     Args:
         max_norm: the largest joint norm allowed, ``> 0``.
@@ -203,13 +206,8 @@ def clip_global_norm(max_norm: float) -> Transform:
         if not grads:
             return [], list(states)
         device = grads[0].device
-        squares = [
-            torch.linalg.vector_norm(g, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-            .to(device=device, dtype=torch.float64)
-            .square()
-            for g in grads
-        ]
-        total = torch.stack(squares).sum().sqrt()
+        sums = [n.to(device=device, dtype=torch.float64).square().sum() for _, n in norms(grads)]
+        total = torch.stack(sums).sum().sqrt()
         factor = (bound / (total + _CLIP_EPS)).clamp_(max=1.0)
         out = [g * factor.to(device=g.device, dtype=g.dtype) for g in grads]
         return out, list(states)

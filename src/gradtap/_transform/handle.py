@@ -1,0 +1,189 @@
+"""``gradtap.transform``: apply per-layer gradient transforms to a model.
+
+The handle composes three parts: the :class:`~gradtap._transform.plan.Plan` (which rule
+applies to which parameter or module, resolved once, first match wins), the
+:class:`~gradtap._transform.state.StateTable` (one state per parameter, or per module
+output/input slot for activation gradients, kept in the handle) and the installer of
+:mod:`~gradtap._transform.apply` (the capture subscriptions that apply the transforms at the
+chosen moment). Nothing is stored on the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradtap._transform.apply import install
+from gradtap._transform.plan import Rules, make_plan
+from gradtap._transform.state import StateTable
+from gradtap._types import OnLiteral, WhenLiteral
+from gradtap.capture import HookSet, Tap
+
+__all__ = ["Rules", "TransformHandle", "transform"]
+
+
+class TransformHandle:
+    """The live transforms installed by :func:`transform`; remove with :meth:`remove`.
+
+    Attributes:
+        on: which gradients are transformed (``"param_grad"``, ``"grad_output"``, ``"grad_input"``).
+        when: when parameter gradients are transformed (``"backward"``, ``"accumulate"``, ``"step"``).
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Linear(2, 1)
+        >>> h = gt.transform(net, {"weight": gt.ewma(0.9)})
+        >>> net(torch.ones(1, 2)).sum().backward()
+        >>> h.state_dict()["state"]["weight"]["count"]
+        1
+        >>> h.remove()
+        >>> h
+        <TransformHandle removed: on='param_grad', when='accumulate', 1 targets>
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rules: Rules,
+        when: WhenLiteral | None,
+        on: OnLiteral,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        self._plan = make_plan(model, rules, when, on, optimizer)
+        self.on: OnLiteral = self._plan.on
+        self.when: WhenLiteral = self._plan.when
+        self._hooks = HookSet()
+        self._tap: Tap | None = None
+        self._removed = False
+        try:
+            self._states = StateTable(self._plan)
+            self._tap = install(model, self._plan, self._states, self._hooks, optimizer)
+        except BaseException:
+            self.remove()
+            raise
+
+    def plan(self) -> dict[str, str]:
+        """Return which rule applies where: ``{name: rule pattern}``.
+
+        Names are parameter names (``on="param_grad"``, in ``named_parameters()`` order) or
+        module names (activation gradients, in ``named_modules()`` order). Parameters and
+        modules that no rule matched are absent.
+        """
+        return self._plan.labels()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a copy of every transform state, keyed by parameter name or slot.
+
+        Slots of activation gradients are named ``"<module>:<path>"`` (e.g.
+        ``"encoder:output"``) and exist once a backward reached them. The result holds only
+        strings, numbers and tensors, so ``torch.save`` / ``torch.load(weights_only=True)``
+        round-trips it.
+        """
+        return self._states.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore states saved by :meth:`state_dict`, so training resumes bit for bit.
+
+        Raises:
+            ValueError: the checkpoint was made with different rules, ``on`` or names, or a
+                state does not have the structure this handle's transforms expect.
+        """
+        self._states.load_state_dict(state_dict)
+
+    def remove(self) -> None:
+        """Remove every hook; the model is left as it was. Safe to call more than once."""
+        self._removed = True
+        if self._tap is not None:
+            self._tap.remove()
+        self._hooks.remove()
+
+    def __enter__(self) -> TransformHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        status = "removed" if self._removed else "active"
+        return f"<TransformHandle {status}: on={self.on!r}, when={self.when!r}, {len(self.plan())} targets>"
+
+
+def transform(
+    model: nn.Module,
+    rules: Rules,
+    when: WhenLiteral | None = None,
+    on: OnLiteral = "param_grad",
+    optimizer: torch.optim.Optimizer | None = None,
+) -> TransformHandle:
+    """Apply stateful gradient transforms to selected parameters or module gradients.
+
+    Rules are an ordered mapping from a glob to a :class:`Transform`. Globs match parameter
+    names (``named_parameters()``) for ``on="param_grad"`` and module names
+    (``named_modules()``) for ``on="grad_output"`` / ``"grad_input"``; other selectors
+    accepted by :mod:`gradtap.select` work too. The first rule that matches wins; a rule
+    that matches nothing (or only what earlier rules took) raises :class:`SelectionError`.
+    Parameters that do not require grad are left out. State is kept per parameter (or per
+    ``"<module>:<slot>"``) in the handle, never on the model.
+
+    ``when`` (parameter gradients):
+
+    * ``"accumulate"`` (default): once per backward, on ``p.grad`` right after it was
+      accumulated (with micro-batching it sees the running sum, transformed so far);
+    * ``"backward"``: each module call's contribution before accumulation, so the calls of
+      a shared module are transformed separately (a parameter is transformed inside the calls
+      of the module that owns it directly);
+    * ``"step"``: once per ``optimizer.step()``, right before it, on the accumulated gradient
+      (the choice for gradient accumulation); needs ``optimizer=``.
+
+    A rule holding ``clip_global_norm`` (alone or in a :func:`chain`) runs once over all the
+    parameters it matched, on the accumulated ``p.grad`` of those that have one (a
+    parameter whose ``.grad`` is None is left out): with ``"step"`` right before each
+    ``optimizer.step()``; with ``"accumulate"`` at the end of each backward that accumulated
+    into at least one of them, after all that backward's gradients are in. So
+    ``"accumulate"`` gives what ``torch.nn.utils.clip_grad_norm_(<the rule's parameters>,
+    max_norm)`` called after every backward gives: with one backward per step that is the
+    usual clipping; with several backwards before a step each one clips the running sum
+    (the earlier, already clipped, part included), not its own increment, so the global norm
+    of those ``.grad`` never exceeds ``max_norm`` between backwards. To clip the sum of the
+    micro-batches once, use ``"step"``. ``"backward"`` and activation gradients refuse it.
+
+    Activation gradients (``on="grad_output"``: dL/d(output) as it enters the module's
+    backward, so everything upstream sees the change; ``on="grad_input"``: what a call sends
+    to its inputs) are transformed per call, ``when="backward"``. Their transforms' ``init``
+    receives the first gradient seen at a slot and ``update`` gets ``param=None``.
+
+    Args:
+        model: the model.
+        rules: ``{glob: Transform}`` (or a sequence of ``(glob, Transform)`` pairs), in order.
+        when: ``"accumulate"``, ``"backward"`` or ``"step"``; default ``"accumulate"`` for
+            parameters, ``"backward"`` for activation gradients.
+        on: ``"param_grad"`` (default), ``"grad_output"`` or ``"grad_input"``.
+        optimizer: the optimizer whose ``step()`` triggers ``when="step"``.
+
+    Returns:
+        A :class:`TransformHandle` (``plan()``, ``state_dict()``, ``load_state_dict()``,
+        ``remove()``; a context manager).
+
+    Raises:
+        SelectionError: a rule matches nothing.
+        ValueError: unknown ``when``/``on``, ``when="step"`` without an optimizer,
+            ``clip_global_norm`` with ``when="backward"`` or on activation gradients; and,
+            during backward or step, a
+            transform that returns a gradient of another shape, dtype or device (naming
+            the rule and the parameter).
+        TypeError: a rule's value is not a :class:`Transform`.
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+        >>> rules = {"0.weight": gt.chain(gt.normalize(0.99), gt.clip_norm(1.0)), "*.bias": gt.scale(0.1)}
+        >>> with gt.transform(net, rules, when="accumulate") as h:
+        ...     net(torch.randn(2, 3)).sum().backward()
+        >>> h.plan()
+        {'0.weight': '0.weight', '0.bias': '*.bias', '1.bias': '*.bias'}
+    """
+    return TransformHandle(model, rules, when, on, optimizer)
+
