@@ -1,7 +1,7 @@
 """Per-sample gradients against torch.func (vmap(grad(functional_call))) in float64.
 
 Rule tests draw modules and options with hypothesis for every type registered in
-``per_sample.table.GRAD`` (the cases come from the registry, so a new rule without a case
+``_per_sample.table.GRAD`` (the cases come from the registry, so a new rule without a case
 fails ``test_every_registered_type_has_a_case``). End-to-end tests compare ``gt.per_sample``
 on whole models with the per-sample gradients of each sample's own loss term.
 """
@@ -28,9 +28,9 @@ from torch.nn.utils import parametrizations, parametrize
 
 import gradtap as gt
 from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
-from gradtap.per_sample import rules, table
-from gradtap.per_sample.rules.conv import grad_conv, norm_conv
-from gradtap.per_sample.rules.linear import norm_linear
+from gradtap._per_sample import rules, table
+from gradtap._per_sample.rules.conv import grad_conv, norm_conv
+from gradtap._per_sample.rules.linear import norm_linear
 from tests._models import assert_no_hooks
 
 # The oracle's vmap warns about ops without a batching rule (it falls back to a loop).

@@ -367,8 +367,8 @@ def test_decoder_called_once_per_sample() -> None:
 
 def test_check_catches_a_wrong_split_and_replays() -> None:
     """A rule whose per-sample gradients do not add up to .grad is caught and replaced."""
-    from gradtap.per_sample.rules.linear import grad_linear
-    from gradtap.per_sample.table import GRAD
+    from gradtap._per_sample.rules.linear import grad_linear
+    from gradtap._per_sample.table import GRAD
 
     def doubled(module: nn.Module, inp: Tensor, go: Tensor, names: frozenset[str]) -> dict:
         return {k: 2 * g for k, g in grad_linear(module, inp, go, names).items()}

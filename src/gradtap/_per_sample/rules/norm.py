@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from gradtap.per_sample.table import BATCH_DIM, CHECK, GRAD, batch_first
+from gradtap._per_sample.table import BATCH_DIM, CHECK, GRAD, batch_first
 
 __all__ = ["grad_batchnorm", "grad_groupnorm", "grad_instancenorm", "grad_layernorm",
            "grad_rmsnorm"]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradtap.errors import UnsupportedModuleError
-from gradtap.per_sample.table import BATCH_DIM, PIECES, Piece, chunks
+from gradtap._per_sample.table import BATCH_DIM, PIECES, Piece, chunks
 
 __all__ = ["pieces_attention"]
 

@@ -2,7 +2,7 @@
 
 How it works: one :func:`gradtap.capture.tap` on the modules that directly own a selected
 parameter (each module holding a tied parameter owns it too), keeping their forward inputs.
-As each call's record completes in backward, the module type's rule (``per_sample.table``;
+As each call's record completes in backward, the module type's rule (``_per_sample.table``;
 the ``torch.func`` fallback for other types) turns ``(module, input, grad_output)`` into
 exactly the quantities asked for, the record is dropped, and only small accumulators stay.
 When only norms or statistics are asked, ``[N, *shape]`` is never built for layers with a
@@ -13,7 +13,7 @@ not add up.
 
 Parameters that no call of their own module can split into samples (an input shared by all
 samples, samples folded with other rows, a call per sample, an output gradient that cannot be
-trusted) get theirs from a replay of an enclosing call (``per_sample.units``), with a warning
+trusted) get theirs from a replay of an enclosing call (``_per_sample.units``), with a warning
 naming the module. After each backward, every parameter's per-sample gradients are checked to
 reduce to that backward's increment of its ``.grad``; a parameter that fails is replayed too.
 """
@@ -35,10 +35,10 @@ from gradtap._registry import TypeTable
 from gradtap._types import Selector
 from gradtap.capture import HookSet, at_end_of_backward, tap
 from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
-from gradtap.per_sample import rules as _rules  # noqa: F401  (registers every rule)
-from gradtap.per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
-from gradtap.per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
-from gradtap.per_sample.table import (
+from gradtap._per_sample import rules as _rules  # noqa: F401  (registers every rule)
+from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
+from gradtap._per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
+from gradtap._per_sample.table import (
     BATCH_DIM,
     CHECK,
     GRAD,
@@ -53,7 +53,7 @@ from gradtap.per_sample.table import (
     norm_sq_from_grad,
     sum_sq_from_grad,
 )
-from gradtap.per_sample.units import (
+from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
     candidates,

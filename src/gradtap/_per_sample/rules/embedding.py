@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gradtap.per_sample.table import CHECK, GRAD, NORM, SUM_SQ
+from gradtap._per_sample.table import CHECK, GRAD, NORM, SUM_SQ
 
 __all__ = ["grad_embedding", "norm_embedding", "sum_sq_embedding"]
 

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from gradtap.per_sample.table import (
+from gradtap._per_sample.table import (
     GRAD,
     NORM,
     SUM_SQ,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradtap.per_sample.table import BATCH_DIM, GRAD, NORM, batch_first, budget, chunks
+from gradtap._per_sample.table import BATCH_DIM, GRAD, NORM, batch_first, budget, chunks
 
 __all__ = ["choose_method", "grad_conv", "norm_conv", "weight_grad_per_sample"]
 
