@@ -251,10 +251,9 @@ def test_errors_name_what_was_expected(call, error: type[Exception], match: str)
 
 
 @pytest.mark.parametrize(
-    "name", ["gradtap.curvature", "gradtap.functional.conv", "gradtap.functional.explicit"]
+    "name", ["gradtap.curvature", "gradtap.functional._conv", "gradtap.functional.explicit"]
 )
 def test_docstring_examples_run(name: str) -> None:
-    # importlib, because the attribute gradtap.functional.conv is the function, not the module.
     result = doctest.testmod(
         importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     )

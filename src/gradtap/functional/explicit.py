@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from gradtap.functional.conv import conv
+from gradtap.functional._conv import conv
 
 __all__ = ["explicit_conv"]
 
