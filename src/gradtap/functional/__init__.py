@@ -3,9 +3,7 @@
 ``gradtap.functional.conv`` is the function; its implementation is ``gradtap.functional._conv``.
 """
 
-from gradtap.functional._conv import conv
-from gradtap.functional._conv import conv_input_grad
-from gradtap.functional._conv import conv_weight_grad
+from gradtap.functional._conv import conv, conv_input_grad, conv_weight_grad
 
 __all__ = [
     "conv",
