@@ -25,34 +25,16 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
-from gradtap._registry import TypeTable
-from gradtap._types import Selector
-from gradtap.capture import HookSet, at_end_of_backward, tap
-from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
 from gradtap._per_sample import rules as _rules  # noqa: F401  (registers every rule)
 from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
+from gradtap._per_sample.rule import PER_SAMPLE, PerSampleRule, Piece, budget, chunks
 from gradtap._per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
-from gradtap._per_sample.table import (
-    BATCH_DIM,
-    CHECK,
-    GRAD,
-    NORM,
-    PIECES,
-    SUM_SQ,
-    Piece,
-    PiecesRule,
-    Rule,
-    budget,
-    chunks,
-    norm_sq_from_grad,
-    sum_sq_from_grad,
-)
 from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
@@ -61,6 +43,9 @@ from gradtap._per_sample.units import (
     largest_norm,
     mismatches,
 )
+from gradtap._types import Selector
+from gradtap.capture import HookSet, at_end_of_backward, tap
+from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
 from gradtap.record import GradRecord, flatten_tensors
 from gradtap.select import select_module_parameters
 
@@ -70,7 +55,6 @@ Quantity = Literal["grad", "norm", "variance", "second_moment", "snr"]
 LossReduction = Literal["mean", "sum"]
 _QUANTITIES: tuple[str, ...] = get_args(Quantity)
 _STATS = frozenset({"variance", "second_moment", "snr"})
-R = TypeVar("R")
 _graph_task_id = torch._C._current_graph_task_id
 
 #: Added to the variance in ``snr``.
@@ -85,12 +69,21 @@ class _Owner:
     module: nn.Module
     direct: dict[str, str]  # parameter name relative to the module -> qualified name
     nested: dict[str, tuple[str, str]]  # descendant's relative name -> (qualified, owner name)
-    rule: Rule | None
-    pieces: PiecesRule | None  # neither rule nor pieces: the torch.func fallback
+    entry: PerSampleRule | None  # None: the torch.func fallback
     # A parametrized tensor ("weight") -> its selected originals' relative names.
     parametrized: dict[str, list[str]] = field(default_factory=dict)
     calls: int = 0
     seen: set[str] = field(default_factory=set)
+
+    @property
+    def rule(self) -> PerSampleRule | None:
+        """The entry, when it computes from ``(input, grad_out)``."""
+        return self.entry if self.entry is not None and self.entry.grad is not None else None
+
+    @property
+    def pieces(self) -> PerSampleRule | None:
+        """The entry, when it splits the call into linear maps instead."""
+        return self.entry if self.entry is not None and self.entry.grad is None else None
 
     @property
     def quals(self) -> list[str]:
@@ -116,13 +109,13 @@ def _qualify(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _rule_for(table: TypeTable[R], module: nn.Module) -> R | None:
-    """The registered rule, unless the module's class overrides the registered ``forward``."""
-    rule = table.lookup(module)
+def _rule_for(module: nn.Module) -> PerSampleRule | None:
+    """The registered entry, unless the module's class overrides the registered ``forward``."""
+    rule = PER_SAMPLE.lookup(module)
     if rule is None:
         return None
     cls = type_before_parametrizations(module)
-    owner = next(c for c in cls.__mro__ if c in table)
+    owner = next(c for c in cls.__mro__ if c in PER_SAMPLE)
     return rule if cls.forward is owner.forward else None
 
 
@@ -240,23 +233,21 @@ class PerSample:
         owners: dict[str, _Owner] = {}
         for name, direct in owned.items():
             module = modules[name]
-            rule = _rule_for(GRAD, module)
-            pieces = _rule_for(PIECES, module) if rule is None else None
-            if rule is None and pieces is None and not fallback:
+            entry = _rule_for(module)
+            if entry is None and not fallback:
                 raise UnsupportedModuleError(
                     f"no per-sample rule for module {name!r} of type {type(module).__name__} "
                     f"(owner of {', '.join(direct.values())}), and fallback=False; supported "
-                    f"types (and subclasses): {', '.join(GRAD.supported())}"
+                    f"types (and subclasses): {', '.join(PER_SAMPLE.supported())}"
                 )
-            _check(name, module, self.batch_dim, rule is None and pieces is None)
+            _check(name, module, self.batch_dim, entry is None)
             nested = {
                 q[len(name) + 1 :] if name else q: (q, o)
                 for o, d in owned.items()
                 if o != name and (not name or o.startswith(name + "."))
                 for q in d.values()
             }
-            owners[name] = _Owner(name, module, direct, nested, rule, pieces,
-                                  parametrized.get(name, {}))
+            owners[name] = _Owner(name, module, direct, nested, entry, parametrized.get(name, {}))
         self._use_count = {q: sum(q in o.direct.values() for o in owners.values())
                       for q in self._params}
         return owners
@@ -268,7 +259,7 @@ class PerSample:
         for owner in self._owners.values():
             parts = owner.name.split(".") if owner.name else []
             names.update(".".join(parts[:i]) for i in range(len(parts)))
-            if owner.rule is None and owner.pieces is None:
+            if owner.entry is None:
                 names.add(owner.name)
         return [(n, m) for n, m in model.named_modules() if n in names]
 
@@ -393,7 +384,7 @@ class PerSample:
             return
         owner = self._owners[name]
         owner.calls += 1
-        _check(name, module, self.batch_dim, owner.rule is None and owner.pieces is None)
+        _check(name, module, self.batch_dim, owner.entry is None)
         # The calls around this one (its own too, when it is one: a replay of it with every
         # argument as passed is the first thing to try for a module without a rule).
         frames = tuple(f for _, f in self._stack if f is not None)
@@ -415,7 +406,7 @@ class PerSample:
         # held by the head and by its Linear) is covered by that module's own replay, which
         # sees every use inside its call: counting this call too would count it twice.
         covered = {q for f in frames if f.module is not module and f.name in self._owners
-                   and self._owners[f.name].rule is None and self._owners[f.name].pieces is None
+                   and self._owners[f.name].entry is None
                    for q in self._owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
@@ -439,7 +430,7 @@ class PerSample:
             return (f"its {what} {key!r} has {rows} rows along batch_dim={bd} for {n} samples "
                     "(samples folded with other rows?)")
 
-        if owner.rule is not None or owner.pieces is not None:
+        if owner.entry is not None:
             # A rule reads the first input and needs one row per sample in it (a pieces rule
             # knows the layout of its other arguments, masks included).
             key, inp = next(iter(inputs.items()), ("input", None))
@@ -560,7 +551,7 @@ class PerSample:
                 cls = _ParametrizedCompute if owner.parametrized else _RuleCompute
                 return cls(owner, inp, go, names, after)
         if owner.pieces is not None:
-            pieces = owner.pieces(owner.module, rec.inputs, rec.grad_outputs, scale)
+            pieces = owner.pieces.pieces(owner.module, rec.inputs, rec.grad_outputs, scale)  # type: ignore[misc]
             if pieces is not None:
                 return _PiecesCompute(pieces, names)
         return _FallbackCompute(owner, rec, scale, names, bd, n)  # type: ignore[arg-type]
@@ -895,8 +886,8 @@ def _check(name: str, module: nn.Module, batch_dim: int, subtree: bool) -> None:
     """Refuse modules whose samples are coupled, or whose layout contradicts ``batch_dim``."""
     subs = module.named_modules() if subtree else [("", module)]
     for sub_name, sub in subs:
-        check = CHECK.lookup(sub)
-        reason = check(sub) if check is not None else None
+        entry = PER_SAMPLE.lookup(sub)
+        reason = entry.check(sub) if entry is not None and entry.check is not None else None
         if reason is not None:
             where = _qualify(name, sub_name)
             inside = f" (inside {name!r}, replayed by the fallback)" if sub_name else ""
@@ -904,12 +895,12 @@ def _check(name: str, module: nn.Module, batch_dim: int, subtree: bool) -> None:
                 f"per-sample gradients of module {where!r} ({type(sub).__name__}){inside} are "
                 f"not defined: {reason}"
             )
-    required = BATCH_DIM.lookup(module)
-    if required is not None and required(module) != batch_dim:
+    entry = PER_SAMPLE.lookup(module)
+    required = entry.required_batch_dim(module) if entry is not None else None
+    if required is not None and required != batch_dim:
         raise ValueError(
             f"per_sample: batch_dim={batch_dim}, but module {name!r} ({type(module).__name__}) "
-            f"takes inputs with the sample dim at {required(module)}; use "
-            f"batch_dim={required(module)}"
+            f"takes inputs with the sample dim at {required}; use batch_dim={required}"
         )
 
 
@@ -939,24 +930,22 @@ class _RuleCompute(_Compute):
                 v.mul_(factor)  # rule results are fresh tensors
         return out
 
+    @property
+    def rule(self) -> PerSampleRule:
+        assert self.owner.rule is not None
+        return self.owner.rule
+
     def grads(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, self.owner.rule
-        return self._scaled(rule(module, self.inp, self.go, self.names), self.after)  # type: ignore[misc]
+        grad = self.rule.grad
+        assert grad is not None
+        return self._scaled(grad(self.owner.module, self.inp, self.go, self.names), self.after)
 
     def norm_sq(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, NORM.lookup(self.owner.module)
-        if rule is not None:
-            out = rule(module, self.inp, self.go, self.names)
-        else:
-            out = norm_sq_from_grad(self.owner.rule, module, self.inp, self.go, self.names)  # type: ignore[arg-type]
+        out = self.rule.norm_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
     def sum_sq(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, SUM_SQ.lookup(self.owner.module)
-        if rule is not None:
-            out = rule(module, self.inp, self.go, self.names)
-        else:
-            out = sum_sq_from_grad(self.owner.rule, module, self.inp, self.go, self.names)  # type: ignore[arg-type]
+        out = self.rule.sum_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
 
@@ -973,7 +962,9 @@ class _ParametrizedCompute(_RuleCompute):
         rule_names = (self.names - originals) | {
             t for t, rels in owner.parametrized.items() if set(rels) & self.names
         }
-        raw = owner.rule(module, self.inp, self.go, frozenset(rule_names))  # type: ignore[misc]
+        grad = self.rule.grad
+        assert grad is not None
+        raw = grad(module, self.inp, self.go, frozenset(rule_names))
         out = {k: v for k, v in raw.items() if k not in owner.parametrized}
         for tensor, rels in owner.parametrized.items():
             if tensor not in raw:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradtap._per_sample.table import BATCH_DIM, GRAD, NORM, batch_first, budget, chunks
+from gradtap._per_sample.rule import PerSampleRule, budget, chunks
 from gradtap.functional._weight_grad import (
     Method,
     WeightGradProblem,
@@ -33,14 +33,12 @@ from gradtap.functional._weight_grad import (
     windows,
 )
 
-__all__ = ["grad_conv", "norm_conv"]
+__all__ = ["CONV", "CONV_TYPES", "grad_conv", "norm_conv"]
 
-_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-               nn.ConvTranspose3d)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+              nn.ConvTranspose3d)
 
 Form = Literal["direct", "ghost"]
-
-BATCH_DIM.register(*_CONV_TYPES)(batch_first)
 
 
 def _problem(module: nn.Module, inp: Tensor, grad_out: Tensor) -> WeightGradProblem:
@@ -68,7 +66,6 @@ def _bias(module: nn.Module, grad_out: Tensor) -> Tensor:
     return grad_out.flatten(2).sum(2)
 
 
-@GRAD.register(*_CONV_TYPES)
 def grad_conv(
     module: nn.Module,
     inp: Tensor,
@@ -89,7 +86,6 @@ def grad_conv(
     return out
 
 
-@NORM.register(*_CONV_TYPES)
 def norm_conv(
     module: nn.Module,
     inp: Tensor,
@@ -131,3 +127,7 @@ def norm_conv(
     if "bias" in names:
         out["bias"] = _bias(module, grad_out).square().sum(1)
     return out
+
+
+#: ``CONV_TYPES``: inputs ``[N, C, *spatial]``; the sum of squares is reduced from ``grad``.
+CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, batch_dim=0)
