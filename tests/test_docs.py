@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCTEST_MODULES = ["gradtap.select", "gradtap.capture", "gradtap.record", "gradtap.explain",
                    "gradtap.curvature", "gradtap.functional.explicit", "gradtap._monitor.monitor",
                    "gradtap._monitor.history", "gradtap.store", "gradtap._per_sample.api",
-                   "gradtap._registry", "gradtap.integrations.hf_models",
+                   "gradtap.rules", "gradtap._registry", "gradtap.integrations.hf_models",
                    "gradtap._tensorops.groups", "gradtap._tensorops.host",
                    "gradtap._tensorops.norms", "gradtap._tensorops.ewma",
                    "gradtap._tensorops.histograms", "gradtap._tensorops.moments",
