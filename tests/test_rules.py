@@ -154,3 +154,23 @@ def test_registration_errors_name_the_problem() -> None:
         gradtap.rules.per_sample_rule("Gate")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"PerSampleRule needs grad= .* or pieces="):
         gradtap.rules.PerSampleRule(norm_sq=grad_gate)
+
+
+def test_per_sample_functional_and_rules_modules_import_by_dotted_path() -> None:
+    """``import gradtap.a.b as m`` resolves attributes: no public verb may hide a module."""
+    import importlib
+    import pathlib
+    import types
+
+    root = pathlib.Path(gt.__file__).parent
+    paths = [root / "rules.py", *sorted((root / "_per_sample").rglob("*.py")),
+             *sorted((root / "functional").rglob("*.py"))]
+    for path in paths:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        importlib.import_module(".".join(["gradtap", *parts]))
+        obj: object = gt
+        for part in parts:
+            obj = getattr(obj, part)
+        assert isinstance(obj, types.ModuleType), f"gradtap.{'.'.join(parts)} is {obj!r}"
