@@ -306,7 +306,8 @@ def run_model(model_name: str, quick: bool) -> str:
 
 def conv_methods(quick: bool) -> str:
     """Time the conv rule's two weight-gradient formulations over typical layer shapes."""
-    from gradtap.per_sample.rules.conv import _problem, choose_method, grad_conv
+    from gradtap._per_sample.rules.conv import _problem, grad_conv
+    from gradtap.functional._weight_grad import choose_method
 
     shapes = [  # (type, in, out, kernel, stride, spatial, groups, batch)
         (nn.Conv2d, 3, 16, 3, 1, 32, 1, 32), (nn.Conv2d, 16, 16, 3, 1, 32, 1, 32),

@@ -20,8 +20,8 @@ LAYERS: list[tuple[str, float, str]] = [
     ("_explain", 3, "explain"), ("curvature", 3, "curvature"),
     ("monitor", 3, "monitor"), ("_monitor", 3, "monitor"), ("store", 3, "monitor"),
     ("export", 3, "monitor"), ("distributed", 3, "monitor"),
-    ("_transform", 3, "transform"), ("per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
-    ("integrations", 4, "integrations"),
+    ("_transform", 3, "transform"), ("_per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
+    ("rules", 4, "rules"), ("integrations", 4, "integrations"),
     ("report", 4, "report"), ("demo", 4.5, "demo"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
 ]
 
@@ -78,17 +78,6 @@ def test_every_module_is_classified_and_imports_flow_down():
     assert not problems, "\n".join(problems)
 
 
-# Temporary: the per-sample implementation is being moved out from under the public verb
-# gt.per_sample (which hides the package of the same name); remove these once it has moved.
-DOTTED_PATH_EXCEPTIONS = {
-    "gradtap.per_sample", "gradtap.per_sample.api", "gradtap.per_sample.fallback",
-    "gradtap.per_sample.rules", "gradtap.per_sample.rules.attention",
-    "gradtap.per_sample.rules.conv", "gradtap.per_sample.rules.embedding",
-    "gradtap.per_sample.rules.linear", "gradtap.per_sample.rules.norm",
-    "gradtap.per_sample.table", "gradtap.per_sample.units",
-}
-
-
 def test_every_module_imports_by_its_dotted_path():
     """``import gradtap.a.b as m`` works: the module imports, and the attribute path from
     ``gradtap`` down leads to it (no public name hides a module of the same name)."""
@@ -96,8 +85,6 @@ def test_every_module_imports_by_its_dotted_path():
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
         dotted = "gradtap" + (f".{name}" if name else "")
-        if dotted in DOTTED_PATH_EXCEPTIONS:
-            continue
         module = importlib.import_module(dotted)
         obj = gradtap
         for part in name.split(".") if name else []:

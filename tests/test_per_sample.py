@@ -1,7 +1,7 @@
 """Per-sample gradients against torch.func (vmap(grad(functional_call))) in float64.
 
 Rule tests draw modules and options with hypothesis for every type registered in
-``per_sample.table.GRAD`` (the cases come from the registry, so a new rule without a case
+``_per_sample.rule.PER_SAMPLE`` (the cases come from the registry, so a new rule without a case
 fails ``test_every_registered_type_has_a_case``). End-to-end tests compare ``gt.per_sample``
 on whole models with the per-sample gradients of each sample's own loss term.
 """
@@ -9,7 +9,9 @@ on whole models with the per-sample gradients of each sample's own loss term.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import importlib
 import pickle
 import weakref
 from collections.abc import Callable
@@ -27,10 +29,11 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.utils import parametrizations, parametrize
 
 import gradtap as gt
+from gradtap._per_sample import rule, rules
+from gradtap._per_sample.rule import PER_SAMPLE, PerSampleRule
+from gradtap._per_sample.rules.conv import grad_conv, norm_conv
+from gradtap._per_sample.rules.linear import norm_linear
 from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
-from gradtap.per_sample import rules, table
-from gradtap.per_sample.rules.conv import grad_conv, norm_conv
-from gradtap.per_sample.rules.linear import norm_linear
 from tests._models import assert_no_hooks
 
 # The oracle's vmap warns about ops without a batching rule (it falls back to a loop).
@@ -203,42 +206,50 @@ CASES: dict[type[nn.Module], st.SearchStrategy] = {
 }
 
 
-def test_every_rule_file_is_imported_and_every_registered_type_has_a_case() -> None:
+def test_every_rule_file_is_registered_and_every_registered_type_has_a_case() -> None:
     files = {p.stem for p in Path(rules.__file__).parent.glob("*.py") if p.stem != "__init__"}
     assert files == set(rules.__all__)
-    assert set(table.GRAD.types()) == set(CASES)
-    assert set(table.NORM.types()) <= set(CASES) and set(table.SUM_SQ.types()) <= set(CASES)
-    assert table.PIECES.types() == [nn.MultiheadAttention]  # test_attention_matches_torch_func
+    registered = {id(entry) for _, entry in PER_SAMPLE.items()}
+    builtin: set[int] = set()
+    for stem in sorted(files):
+        module = importlib.import_module(f"gradtap._per_sample.rules.{stem}")
+        entries = [v for v in vars(module).values() if isinstance(v, PerSampleRule)]
+        assert entries, f"rules/{stem}.py defines no PerSampleRule"
+        assert all(id(e) in registered for e in entries), f"rules/{stem}.py: an entry is not registered"
+        builtin.update(id(e) for e in entries)
+    # (Other tests and doctests register their own types through gradtap.rules.)
+    types = [(t, e) for t, e in PER_SAMPLE.items() if id(e) in builtin]
+    assert {t for t, e in types if e.grad is not None} == set(CASES)
+    # Entries without grad split the call into linear maps: test_attention_matches_torch_func.
+    assert [t for t, e in types if e.grad is None] == [nn.MultiheadAttention]
 
 
 def _check_rules(module: nn.Module, x: Tensor) -> None:
     go = torch.randn_like(module(x))
     ref = module_oracle(module, x, go)
     names = frozenset(ref)
-    got = table.GRAD.require(module, "m")(module, x, go, names)
+    entry = PER_SAMPLE.require(module, "m")
+    assert entry.grad is not None
+    got = entry.grad(module, x, go, names)
     assert got.keys() == ref.keys()
     for k in ref:
         close(got[k], ref[k], f"{module} grad {k}")
     norm_sq = {k: r.flatten(1).square().sum(1) for k, r in ref.items()}
     sum_sq = {k: r.square().sum(0) for k, r in ref.items()}
-    grad_rule = table.GRAD.lookup(module)
-    generic = table.norm_sq_from_grad(grad_rule, module, x, go, names)
-    for k in ref:
-        close(generic[k], norm_sq[k], f"{module} chunked norm {k}")
-    norm_rule = table.NORM.lookup(module)
-    if norm_rule is not None:
-        forms: list[dict] = [{}]
-        if norm_rule in (norm_linear, norm_conv):
-            forms += [{"form": "direct"}, {"form": "ghost"}]
-        for kw in forms:
-            out = norm_rule(module, x, go, names, **kw)
+    generic = dataclasses.replace(entry, norm_sq=None, sum_sq=None)  # reduced from grad
+    for kind, e in (("chunked", generic), ("entry", entry)):
+        out = e.norm_sq_of(module, x, go, names)
+        for k in ref:
+            close(out[k], norm_sq[k], f"{module} {kind} norm {k}")
+        out = e.sum_sq_of(module, x, go, names)
+        for k in ref:
+            close(out[k], sum_sq[k], f"{module} {kind} sum of squares {k}")
+    if entry.norm_sq in (norm_linear, norm_conv):
+        for form in ("direct", "ghost"):
+            out = entry.norm_sq(module, x, go, names, form=form)  # type: ignore[call-arg]
             for k in ref:
-                close(out[k], norm_sq[k], f"{module} norm {k} {kw}")
-    sq_rule = table.SUM_SQ.lookup(module) or (lambda *a: table.sum_sq_from_grad(grad_rule, *a))
-    out = sq_rule(module, x, go, names)
-    for k in ref:
-        close(out[k], sum_sq[k], f"{module} sum of squares {k}")
-    if grad_rule is grad_conv:
+                close(out[k], norm_sq[k], f"{module} norm {k} form={form}")
+    if entry.grad is grad_conv:
         for method in ("unfold", "conv"):
             out = grad_conv(module, x, go, names, method=method)
             for k in ref:
@@ -254,9 +265,9 @@ def test_rule_matches_torch_func(module_type: type[nn.Module], data: st.DataObje
 
 
 def test_chunked_reductions_split_samples(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(table, "MIN_BUDGET", 1)
+    monkeypatch.setattr(rule, "MIN_BUDGET", 1)
     module, x = nn.Conv2d(2, 3, 3, padding=1), torch.randn(5, 2, 4, 4)
-    assert len(list(table.chunks(5, 54, table.budget(x)))) > 1
+    assert len(list(rule.chunks(5, 54, rule.budget(x)))) > 1
     _check_rules(module, x)
     _check_rules(nn.Linear(6, 7), torch.randn(5, 3, 6))
 
@@ -575,7 +586,7 @@ def test_attention_with_shared_projection_inputs(shared: str, batch_first: bool,
     # The replay in one chunk of all samples, or one chunk per sample.
     size = 1 if chunked else None
     monkeypatch.setattr(rules.attention, "chunks",
-                        lambda n, per_sample, limit: table.chunks(n, 1, size or n))
+                        lambda n, per_sample, limit: rule.chunks(n, 1, size or n))
     n, t, e = 3, 4, 4
     att = nn.MultiheadAttention(e, 2, batch_first=batch_first, add_zero_attn=zero_attn)
     attn_mask = {"none": None, "bool": torch.ones(t, t, dtype=torch.bool).triu(1),

@@ -10,6 +10,7 @@ rows (attention windows), one call per sample, and real tiny transformers built 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -367,17 +368,17 @@ def test_decoder_called_once_per_sample() -> None:
 
 def test_check_catches_a_wrong_split_and_replays() -> None:
     """A rule whose per-sample gradients do not add up to .grad is caught and replaced."""
-    from gradtap.per_sample.rules.linear import grad_linear
-    from gradtap.per_sample.table import GRAD
+    from gradtap._per_sample.rule import PER_SAMPLE
+    from gradtap._per_sample.rules.linear import LINEAR, grad_linear
 
     def doubled(module: nn.Module, inp: Tensor, go: Tensor, names: frozenset[str]) -> dict:
         return {k: 2 * g for k, g in grad_linear(module, inp, go, names).items()}
 
-    GRAD.register(nn.Linear, replace=True)(doubled)
+    PER_SAMPLE.register(nn.Linear, replace=True)(dataclasses.replace(LINEAR, grad=doubled))
     try:
         _, messages = check(TiedHead(), token_loss, ids())
     finally:
-        GRAD.register(nn.Linear, replace=True)(grad_linear)
+        PER_SAMPLE.register(nn.Linear, replace=True)(LINEAR)
     assert len(messages) == 1 and "replay of the model" in messages[0], messages
     assert "'mix'" in messages[0] and "'emb', 'head'" in messages[0]
     assert "do not add up to its gradient" in messages[0]

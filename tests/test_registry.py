@@ -36,6 +36,7 @@ def test_register_returns_the_rule_and_lookup_finds_it() -> None:
     assert table.lookup(nn.Conv2d(1, 1, 1)) is None
     assert table.supported() == ["Conv1d", "Linear"]
     assert table.types() == [nn.Linear, nn.Conv1d]
+    assert table.items() == [(nn.Linear, rule_a), (nn.Conv1d, rule_a)]
     assert nn.Linear in table and nn.Conv2d not in table
 
 

@@ -3,6 +3,7 @@
 from gradtap import functional
 from gradtap._detect import Anomaly, detect, load_dump
 from gradtap._explain import Explanation, explain
+from gradtap._per_sample import PerSample, per_sample
 from gradtap._transform import (
     Transform,
     add_noise,
@@ -25,7 +26,6 @@ from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, Unsupp
 from gradtap.export import to_tensorboard
 from gradtap.functional.explicit import explicit_conv
 from gradtap.monitor import Monitor
-from gradtap.per_sample import PerSample, per_sample
 from gradtap.record import GradRecord
 from gradtap.select import select_modules, select_parameters
 from gradtap.store import Run, open_run

@@ -121,6 +121,10 @@ class TypeTable(Generic[R]):
         """Return the registered module types, in registration order."""
         return list(self._rules)
 
+    def items(self) -> list[tuple[type[nn.Module], R]]:
+        """Return ``(module type, rule)`` pairs, in registration order."""
+        return list(self._rules.items())
+
     def __contains__(self, module_type: object) -> bool:
         return module_type in self._rules
 

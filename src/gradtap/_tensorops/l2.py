@@ -38,6 +38,10 @@ def group_norms(group: Sequence[Tensor], *, accurate: bool = False) -> Tensor:
     """
     if accurate:
         return group_sumsq(group).sqrt()
+    if len(group) == 1:  # one tensor (a per-tensor clip): no foreach list, no stack
+        t = group[0]
+        low = t.dtype in (torch.float16, torch.bfloat16)
+        return torch.linalg.vector_norm(t, dtype=torch.float32 if low else None).reshape(1)
     if group[0].dtype in (torch.float16, torch.bfloat16):
         return torch.stack(torch._foreach_norm(list(group), 2, dtype=torch.float32))
     return torch.stack(torch._foreach_norm(list(group)))

@@ -14,7 +14,9 @@ The backward of a convolution is itself a pair of convolutions (see
 ``backward`` computes these two convolutions (the same code as :func:`conv_input_grad` and
 :func:`conv_weight_grad`, minus their argument checks). The input gradient is again that
 autograd function (with ``transposed`` flipped); the weight gradient is a second one, whose
-own backward is the forward convolution and the input gradient. The three operations close
+value is the library's weight-gradient kernel (``functional._weight_grad``, shared with the
+per-sample gradients of convolution layers) and whose own backward is the forward
+convolution and the input gradient. The three operations close
 under differentiation, so every order of derivative goes through these explicit formulas.
 Both functions define their forward-mode derivative and a vmap rule, so ``torch.func.jvp``,
 ``vmap`` and ``grad`` compose through them (``jvp(grad(f))`` gives forward-over-reverse
@@ -32,6 +34,8 @@ from typing import Any, Literal, TypeAlias
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from gradtap.functional._weight_grad import weight_grad, weight_grad_problem
 
 __all__ = ["conv", "conv_input_grad", "conv_weight_grad"]
 
@@ -305,14 +309,6 @@ def _symmetric(o: _Options) -> _Options:
     return _with_symmetric_padding(o, o.transposed, o.output_padding) if any(o.extra) else o
 
 
-def _swapped_weight_options(o: _Options, kernel: Sequence[int]) -> _Options:
-    """Options of the weight-gradient convolution: stride and dilation swap roles."""
-    new = _with_symmetric_padding(o, False, (0,) * o.d)
-    new.stride, new.dilation = o.dilation, o.stride
-    new.kernel = tuple(kernel)  # grad_output is the kernel here
-    return new
-
-
 def _input_grad(
     grad_output: Tensor, weight: Tensor, input_shape: Sequence[int], o: _Options
 ) -> Tensor:
@@ -344,26 +340,6 @@ def _input_grad(
     return _narrow_spatial(grad, input_shape[2:])
 
 
-def _weight_grad_core(a: Tensor, b: Tensor, o: _Options) -> Tensor:
-    """``out[g*B + j, i, *k] = sum_{n, t} pad(a)[n, g*A + i, k*dil + t*stride] * b[n, g*B + j, t]``.
-
-    Channels of ``a`` become the batch and samples become input channels, so one grouped
-    convolution (stride and dilation swapped) sums over samples and output positions at once.
-    Returns ``[G*B, A, *kernel]``.
-    """
-    G = o.groups
-    n, a_ch = a.shape[:2]
-    A, B = a_ch // G, b.shape[1] // G
-    sa, sb = a.shape[2:], b.shape[2:]
-    # Contiguous operands: the CPU kernels run several times slower on these strided views.
-    a2 = a.reshape(n, G, A, *sa).transpose(0, 2).reshape(A, G * n, *sa).contiguous()
-    b2 = b.reshape(n, G, B, *sb).transpose(0, 1).transpose(1, 2).reshape(G * B, n, *sb)
-    out = _ExplicitConv.apply(a2, b2.contiguous(), None, _swapped_weight_options(o, sb))
-    # out is [A, G*B, *K']; K' exceeds the kernel by floor(remainder / dilation) when the
-    # strided windows do not cover the padded input exactly.
-    return _narrow_spatial(out, o.kernel).transpose(0, 1)
-
-
 class _WeightGrad(torch.autograd.Function):
     """Weight gradient ``W(input, grad_output)`` of the convolution described by the options.
 
@@ -376,11 +352,9 @@ class _WeightGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(input: Tensor, grad_output: Tensor, o: _Options) -> Tensor:  # type: ignore[override]
-        if o.transposed:
-            # A transposed convolution's weight gradient is the ordinary one with the roles of
-            # input and grad_output exchanged.
-            return _weight_grad_core(grad_output, input, o)
-        return _weight_grad_core(input, grad_output, o)
+        p = weight_grad_problem(input, grad_output, o.kernel, o.stride, o.padding, o.dilation,
+                                o.groups, o.transposed)
+        return weight_grad(p)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -558,13 +532,13 @@ def conv_weight_grad(
     transposed: bool = False,
     output_padding: IntOrTuple = 0,
 ) -> Tensor:
-    """Compute the gradient of a convolution w.r.t. its weight, as a convolution.
+    """Compute the gradient of a convolution w.r.t. its weight, differentiable to any order.
 
-    The input's channels become the batch and the samples become channels; ``grad_output``
-    serves as the kernel, with the forward stride as its dilation and the forward dilation as
-    its stride, so one grouped convolution sums over samples and positions. For a transposed
-    convolution the roles of input and ``grad_output`` exchange. Runs through :func:`conv`,
-    so the result is differentiable again to any order.
+    The weight gradient is a convolution of the input with ``grad_output`` as the kernel,
+    the forward stride as its dilation and the forward dilation as its stride; for a
+    transposed convolution the roles of input and ``grad_output`` exchange. Its value comes
+    from the convolution library's weight-gradient kernel; its derivatives are :func:`conv`
+    and :func:`conv_input_grad`, so the result is differentiable again to any order.
 
     Args:
         input: the forward input ``[N, C_in, *S]``.

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gradtap.per_sample.table import CHECK, GRAD, NORM, SUM_SQ
+from gradtap._per_sample.rule import PerSampleRule
 
-__all__ = ["grad_embedding", "norm_embedding", "sum_sq_embedding"]
+__all__ = ["EMBEDDING", "check_embedding", "grad_embedding", "norm_embedding",
+           "sum_sq_embedding"]
 
 
-@CHECK.register(nn.Embedding)
 def check_embedding(module: nn.Module) -> str | None:
     """``scale_grad_by_freq`` divides by token counts over the whole batch: samples couple."""
     if module.scale_grad_by_freq:
@@ -44,7 +44,6 @@ def _keys(module: nn.Module, idx: Tensor) -> Tensor:
     return (idx + offsets[:, None]).flatten()
 
 
-@GRAD.register(nn.Embedding)
 def grad_embedding(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -75,7 +74,6 @@ def _segments(module: nn.Module, inp: Tensor, grad_out: Tensor) -> tuple[Tensor,
     return sums, seg_key
 
 
-@NORM.register(nn.Embedding)
 def norm_embedding(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -88,7 +86,6 @@ def norm_embedding(
     return {"weight": out}
 
 
-@SUM_SQ.register(nn.Embedding)
 def sum_sq_embedding(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -99,3 +96,8 @@ def sum_sq_embedding(
     out = sums.new_zeros(module.num_embeddings, sums.shape[1])
     out.index_add_(0, seg_key % module.num_embeddings, sums.square())
     return {"weight": out}
+
+
+#: ``nn.Embedding``: norms and sums of squares from the touched rows only.
+EMBEDDING = PerSampleRule(grad=grad_embedding, norm_sq=norm_embedding, sum_sq=sum_sq_embedding,
+                          check=check_embedding)

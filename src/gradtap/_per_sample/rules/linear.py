@@ -17,18 +17,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from gradtap.per_sample.table import (
-    GRAD,
-    NORM,
-    SUM_SQ,
-    Piece,
-    Rule,
-    budget,
-    chunks,
-)
+from gradtap._per_sample.rule import GradRule, PerSampleRule, Piece, budget, chunks
 
-__all__ = ["grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces", "sum_sq_linear",
-           "sum_sq_pieces"]
+__all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
+           "sum_sq_linear", "sum_sq_pieces"]
 
 
 def _flat(inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -36,7 +28,6 @@ def _flat(inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
     return inp.reshape(n, -1, inp.shape[-1]), grad_out.reshape(n, -1, grad_out.shape[-1])
 
 
-@GRAD.register(nn.Linear)
 def grad_linear(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -53,7 +44,6 @@ def grad_linear(
     return out
 
 
-@NORM.register(nn.Linear)
 def norm_linear(
     module: nn.Module,
     inp: Tensor,
@@ -91,7 +81,6 @@ def norm_linear(
     return out
 
 
-@SUM_SQ.register(nn.Linear)
 def sum_sq_linear(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -111,6 +100,10 @@ def sum_sq_linear(
     return out
 
 
+#: ``nn.Linear``: closed forms for every quantity.
+LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear)
+
+
 def _by_name(pieces: list[Piece], names: frozenset[str]) -> dict[str, list[Piece]]:
     grouped: dict[str, list[Piece]] = {}
     for piece in pieces:
@@ -119,7 +112,7 @@ def _by_name(pieces: list[Piece], names: frozenset[str]) -> dict[str, list[Piece
     return grouped
 
 
-def _piece(rule: Rule, piece: Piece) -> Tensor:
+def _piece(rule: GradRule, piece: Piece) -> Tensor:
     if piece.inp is None:  # a bias: the map's input is a constant 1
         n, o = piece.grad_out.shape[0], piece.grad_out.shape[-1]
         ones = piece.grad_out.new_ones(n, 1, 1)

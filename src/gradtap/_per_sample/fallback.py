@@ -13,7 +13,7 @@ that works:
   (data-dependent shapes such as boolean-mask indexing, ``.item()``, control flow on values).
 
 Used for a module without a rule (its record's tensor arguments; the replay uses defaults for
-arguments that were not tensors) and, by :mod:`gradtap.per_sample.api`, for a whole enclosing
+arguments that were not tensors) and, by :mod:`gradtap._per_sample.api`, for a whole enclosing
 call (its arguments as passed) when no rule can map a parameter.
 
 Random ops (dropout in training mode) cannot be replayed identically: ``vmap`` refuses them,

@@ -7,7 +7,7 @@ in the batch dim), it is called on one sample at a time (``h[i:i+1]``), or its r
 gradient cannot be trusted. The split then has to come from a call further out whose output
 gradient does have one row per sample: ``per_sample`` keeps the arguments of the calls of
 every module that encloses an owner of a selected parameter, and replays the innermost one
-that works (:func:`gradtap.per_sample.fallback.replay_call`).
+that works (:func:`gradtap._per_sample.fallback.replay_call`).
 
 Which calls are kept: during the forward every enclosing call is noted (its arguments by
 reference); when the outermost one returns, only the outermost calls and the calls that
@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradtap._per_sample.fallback import AutocastState, CannotReplay, autocast_state, replay_call
 from gradtap.capture import made_since, sequence_mark
-from gradtap.per_sample.fallback import AutocastState, autocast_state
 from gradtap.record import flatten_tensors
 
 __all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "largest_norm", "mismatches",
-           "tolerance"]
+           "replay_frames", "tolerance"]
 
 #: Outermost calls kept per forward group (forwards since the last backward); a group that
 #: runs more forwards than this without a backward starts over, so nothing piles up.
@@ -121,6 +121,36 @@ def frames_of(name: str, calls: list[tuple[Frame, ...]]) -> list[Frame]:
         if f is not None:
             found.setdefault(id(f), f)
     return list(found.values())
+
+
+def replay_frames(frames: list[Frame], params: dict[str, Tensor], batch_dim: int, n: int,
+                  scale: float) -> dict[str, Tensor]:
+    """Per-sample gradients ``[N, *shape]`` of ``params`` (qualified name -> parameter) from
+    replays of the kept calls ``frames`` of one module, summed over the calls.
+
+    Raises:
+        CannotReplay: a call's arguments changed since it ran, or its replay fails.
+    """
+    module, name = frames[0].module, frames[0].name
+    under: dict[int, str] = {}
+    for rel, p in module.named_parameters(remove_duplicate=False):
+        under.setdefault(id(p), rel)
+    keys = {q: under.get(id(p), q) for q, p in params.items()}
+    by_key = {keys[q]: p for q, p in params.items()}
+    total: dict[str, Tensor] = {}
+    for frame in frames:
+        why = frame.changed()
+        if why is not None:
+            raise CannotReplay(why)
+        if not frame.grads:
+            continue
+        assert frame.args is not None and frame.kwargs is not None  # kept frames keep them
+        out = replay_call(module, name, frame.args, frame.kwargs, frame.grads, by_key,
+                          batch_dim, n, scale, autocast=frame.autocast)
+        for k, g in out.items():
+            total[k] = g if k not in total else total[k] + g
+    return {q: total[keys[q]].detach() if keys[q] in total else p.new_zeros((n, *p.shape))
+            for q, p in params.items()}
 
 
 def tolerance(param: Tensor) -> float:

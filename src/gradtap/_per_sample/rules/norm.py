@@ -14,15 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
-from gradtap.per_sample.table import BATCH_DIM, CHECK, GRAD, batch_first
+from gradtap._per_sample.rule import PerSampleRule
 
-__all__ = ["grad_batchnorm", "grad_groupnorm", "grad_instancenorm", "grad_layernorm",
-           "grad_rmsnorm"]
-
-BATCH_DIM.register(nn.GroupNorm, _InstanceNorm, _BatchNorm)(batch_first)
+__all__ = ["BATCH_NORM", "GROUP_NORM", "INSTANCE_NORM", "LAYER_NORM", "RMS_NORM",
+           "check_batchnorm", "grad_batchnorm", "grad_groupnorm", "grad_instancenorm",
+           "grad_layernorm", "grad_rmsnorm"]
 
 
 def _affine(x_hat: Tensor, grad_out: Tensor, names: frozenset[str], shape: tuple[int, ...],
@@ -53,7 +50,6 @@ def _batched(module: nn.Module, inp: Tensor, least: int) -> None:
         )
 
 
-@GRAD.register(nn.LayerNorm)
 def grad_layernorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -63,7 +59,6 @@ def grad_layernorm(
     return _affine(x_hat, grad_out, names, shape, channel_first=False)
 
 
-@GRAD.register(nn.RMSNorm)
 def grad_rmsnorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -73,7 +68,6 @@ def grad_rmsnorm(
     return _affine(x_hat, grad_out, names, shape, channel_first=False)
 
 
-@GRAD.register(nn.GroupNorm)
 def grad_groupnorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -90,7 +84,6 @@ def _running(module: nn.Module, inp: Tensor) -> Tensor:
     return (inp - mean) * torch.rsqrt(var + module.eps)
 
 
-@GRAD.register(_InstanceNorm)
 def grad_instancenorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -104,7 +97,6 @@ def grad_instancenorm(
     return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
 
 
-@CHECK.register(_BatchNorm)
 def check_batchnorm(module: nn.Module) -> str | None:
     """BatchNorm couples samples unless it is in eval mode with running statistics."""
     if module.training or module.running_mean is None or module.running_var is None:
@@ -116,7 +108,6 @@ def check_batchnorm(module: nn.Module) -> str | None:
     return None
 
 
-@GRAD.register(_BatchNorm)
 def grad_batchnorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -124,3 +115,12 @@ def grad_batchnorm(
     _batched(module, inp, 2)
     x_hat = _running(module, inp)
     return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
+
+
+# LayerNorm and RMSNorm normalize trailing dims: any sample dim works. The others take
+# [N, C, ...] inputs.
+LAYER_NORM = PerSampleRule(grad=grad_layernorm)
+RMS_NORM = PerSampleRule(grad=grad_rmsnorm)
+GROUP_NORM = PerSampleRule(grad=grad_groupnorm, batch_dim=0)
+INSTANCE_NORM = PerSampleRule(grad=grad_instancenorm, batch_dim=0)
+BATCH_NORM = PerSampleRule(grad=grad_batchnorm, check=check_batchnorm, batch_dim=0)

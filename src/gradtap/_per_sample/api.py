@@ -1,10 +1,11 @@
 """``gt.per_sample``: per-sample gradients, their norms and their batch statistics.
 
 How it works: one :func:`gradtap.capture.tap` on the modules that directly own a selected
-parameter (each module holding a tied parameter owns it too), keeping their forward inputs.
-As each call's record completes in backward, the module type's rule (``per_sample.table``;
-the ``torch.func`` fallback for other types) turns ``(module, input, grad_output)`` into
-exactly the quantities asked for, the record is dropped, and only small accumulators stay.
+parameter (each module holding a tied parameter owns it too; ``owners``), keeping their
+forward inputs. As each call's record completes in backward, the module type's rule entry
+(``rules/``; the ``torch.func`` fallback for other types) turns ``(module, input,
+grad_output)`` into exactly the quantities asked for (``compute``), the record is dropped,
+and only small accumulators stay.
 When only norms or statistics are asked, ``[N, *shape]`` is never built for layers with a
 closed form (Linear, convolutions, Embedding) and is built a chunk of samples at a time for
 the others. A parameter used by several calls (a module called several times, tied weights)
@@ -13,7 +14,7 @@ not add up.
 
 Parameters that no call of their own module can split into samples (an input shared by all
 samples, samples folded with other rows, a call per sample, an output gradient that cannot be
-trusted) get theirs from a replay of an enclosing call (``per_sample.units``), with a warning
+trusted) get theirs from a replay of an enclosing call (``_per_sample.units``), with a warning
 naming the module. After each backward, every parameter's per-sample gradients are checked to
 reduce to that backward's increment of its ``.grad``; a parameter that fails is replayed too.
 """
@@ -23,44 +24,35 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.parametrize import type_before_parametrizations
 
-from gradtap._registry import TypeTable
-from gradtap._types import Selector
-from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
-from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
-from gradtap.per_sample import rules as _rules  # noqa: F401  (registers every rule)
-from gradtap.per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
-from gradtap.per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
-from gradtap.per_sample.table import (
-    BATCH_DIM,
-    CHECK,
-    GRAD,
-    NORM,
-    PIECES,
-    SUM_SQ,
-    Piece,
-    PiecesRule,
-    Rule,
-    budget,
-    chunks,
-    norm_sq_from_grad,
-    sum_sq_from_grad,
+from gradtap._per_sample.compute import Compute, compute_for
+from gradtap._per_sample.fallback import CannotReplay
+from gradtap._per_sample.owners import (
+    batch_size_of,
+    check_module,
+    classify_call,
+    describe,
+    enclosing_modules,
+    resolve_owners,
 )
-from gradtap.per_sample.units import (
+from gradtap._per_sample.results import STATS, results
+from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
     candidates,
     frames_of,
     largest_norm,
     mismatches,
+    replay_frames,
 )
+from gradtap._types import Selector
+from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
+from gradtap.errors import GradtapError, SelectionError
 from gradtap.record import GradRecord, flatten_tensors
 from gradtap.select import select_module_parameters
 
@@ -69,68 +61,7 @@ __all__ = ["PerSample", "Quantity", "per_sample"]
 Quantity = Literal["grad", "norm", "variance", "second_moment", "snr"]
 LossReduction = Literal["mean", "sum"]
 _QUANTITIES: tuple[str, ...] = get_args(Quantity)
-_STATS = frozenset({"variance", "second_moment", "snr"})
-R = TypeVar("R")
 
-#: Added to the variance in ``snr``.
-SNR_EPS = 1e-12
-
-
-@dataclass
-class _Owner:
-    """A module that directly owns selected parameters, resolved once."""
-
-    name: str
-    module: nn.Module
-    direct: dict[str, str]  # parameter name relative to the module -> qualified name
-    nested: dict[str, tuple[str, str]]  # descendant's relative name -> (qualified, owner name)
-    rule: Rule | None
-    pieces: PiecesRule | None  # neither rule nor pieces: the torch.func fallback
-    # A parametrized tensor ("weight") -> its selected originals' relative names.
-    parametrized: dict[str, list[str]] = field(default_factory=dict)
-    calls: int = 0
-    seen: set[str] = field(default_factory=set)
-
-    @property
-    def quals(self) -> list[str]:
-        """Qualified names of every selected parameter a call of this module may use."""
-        nested = [q for q, _ in self.nested.values()] if self.rule is None else []
-        return list(dict.fromkeys([*self.direct.values(), *nested]))
-
-
-def _split(qual: str) -> tuple[str, str, str | None]:
-    """``(owner, relative name, parametrized tensor)`` of a qualified parameter name.
-
-    ``"fc.parametrizations.weight.original0"`` belongs to ``fc`` (whose forward uses the
-    parametrized ``weight``), not to the ``ParametrizationList`` that stores it.
-    """
-    parts = qual.split(".")
-    if len(parts) >= 3 and parts[-3] == "parametrizations" and parts[-1].startswith("original"):
-        return ".".join(parts[:-3]), ".".join(parts[-3:]), parts[-2]
-    owner, _, rel = qual.rpartition(".")
-    return owner, rel, None
-
-
-def _qualify(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def _rule_for(table: TypeTable[R], module: nn.Module) -> R | None:
-    """The registered rule, unless the module's class overrides the registered ``forward``."""
-    rule = table.lookup(module)
-    if rule is None:
-        return None
-    cls = type_before_parametrizations(module)
-    owner = next(c for c in cls.__mro__ if c in table)
-    return rule if cls.forward is owner.forward else None
-
-
-def _rows(t: Tensor, batch_dim: int) -> int | None:
-    return t.shape[batch_dim] if t.dim() > batch_dim else None
-
-
-def _describe(name: str, module: nn.Module) -> str:
-    return "the model" if name == "" else f"{name!r} ({type(module).__name__})"
 
 
 class PerSample:
@@ -165,7 +96,7 @@ class PerSample:
         self.quantities: tuple[Quantity, ...] = quantities
         self._want_grad = "grad" in quantities
         self._want_norm = "norm" in quantities
-        self._want_stats = bool(_STATS & set(quantities))
+        self._want_stats = bool(STATS & set(quantities))
         self._want_var = bool({"variance", "snr"} & set(quantities))
 
         params = select_module_parameters(model, select)
@@ -176,7 +107,9 @@ class PerSample:
                 f"{', '.join(n for n, _ in params)}"
             )
         self._fallback = fallback
-        self._owners = self._resolve(model, fallback)
+        self._owners = resolve_owners(model, self._params, batch_dim, fallback)
+        self._use_count = {q: sum(q in o.direct.values() for o in self._owners.values())
+                           for q in self._params}
         self._owners_of: dict[str, list[str]] = {}
         for owner in self._owners.values():
             for qual in owner.direct.values():
@@ -199,7 +132,7 @@ class PerSample:
             listener=_Forward(me),
         )
         try:
-            for name, module in self._enclosing_modules(model):
+            for name, module in enclosing_modules(model, self._owners):
                 self._hooks.module_calls(
                     module,
                     functools.partial(_call_kw, me, "_before", name, module),
@@ -215,60 +148,6 @@ class PerSample:
             raise
 
     # -- setup ------------------------------------------------------------------------------
-
-    def _resolve(self, model: nn.Module, fallback: bool) -> dict[str, _Owner]:
-        modules = dict(model.named_modules())
-        module_names = {id(m): n for n, m in modules.items()}
-        selected = {id(p): q for q, p in self._params.items()}
-        owned: dict[str, dict[str, str]] = {}
-        parametrized: dict[str, dict[str, list[str]]] = {}
-        # Every module that holds a selected parameter owns it, so each use of a tied
-        # parameter (an embedding reused as the output head) is computed and summed.
-        for full, p in model.named_parameters(remove_duplicate=False):
-            qual = selected.get(id(p))
-            if qual is None:
-                continue
-            owner, rel, tensor = _split(full)
-            owner = module_names[id(model.get_submodule(owner))]  # a module under two names
-            owned.setdefault(owner, {})[rel] = qual
-            if tensor is not None:
-                rels = parametrized.setdefault(owner, {}).setdefault(tensor, [])
-                if rel not in rels:
-                    rels.append(rel)
-        owners: dict[str, _Owner] = {}
-        for name, direct in owned.items():
-            module = modules[name]
-            rule = _rule_for(GRAD, module)
-            pieces = _rule_for(PIECES, module) if rule is None else None
-            if rule is None and pieces is None and not fallback:
-                raise UnsupportedModuleError(
-                    f"no per-sample rule for module {name!r} of type {type(module).__name__} "
-                    f"(owner of {', '.join(direct.values())}), and fallback=False; supported "
-                    f"types (and subclasses): {', '.join(GRAD.supported())}"
-                )
-            _check(name, module, self.batch_dim, rule is None and pieces is None)
-            nested = {
-                q[len(name) + 1 :] if name else q: (q, o)
-                for o, d in owned.items()
-                if o != name and (not name or o.startswith(name + "."))
-                for q in d.values()
-            }
-            owners[name] = _Owner(name, module, direct, nested, rule, pieces,
-                                  parametrized.get(name, {}))
-        self._use_count = {q: sum(q in o.direct.values() for o in owners.values())
-                      for q in self._params}
-        return owners
-
-    def _enclosing_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The model, every module that encloses an owner, and every owner without a rule:
-        the calls a replay can use."""
-        names = {""}
-        for owner in self._owners.values():
-            parts = owner.name.split(".") if owner.name else []
-            names.update(".".join(parts[:i]) for i in range(len(parts)))
-            if owner.rule is None and owner.pieces is None:
-                names.add(owner.name)
-        return [(n, m) for n, m in model.named_modules() if n in names]
 
     def _reset(self) -> None:
         self.batch_size = None
@@ -322,7 +201,7 @@ class PerSample:
         outer = not any(f is not None for _, f in self._stack)
         if outer:
             self._forward_starts()
-            self._set_batch_size(_describe(name, module), args, kwargs)
+            self._set_batch_size(describe(name, module), args, kwargs)
             self._outer_calls += 1
         frame = Frame(name, module, args, kwargs, outer)
         self._stack.append((name, frame))
@@ -350,17 +229,7 @@ class PerSample:
             self._new_group()
 
     def _set_batch_size(self, who: str, args: tuple, kwargs: dict[str, Any]) -> None:
-        tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
-        sizes = [s for s in (_rows(t, self.batch_dim) for t in tensors) if s is not None]
-        if not sizes:
-            shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "none"
-            raise ValueError(
-                f"per_sample: {who} was called without a tensor argument that has the sample dim "
-                f"batch_dim={self.batch_dim} (tensor arguments: {shapes})"
-            )
-        # The size most arguments have (the first one's on a tie): a shared [1, T] argument
-        # or a batch-first mask next to [T, N, ...] inputs does not decide it alone.
-        n = max(sizes, key=lambda s: (sizes.count(s), -sizes.index(s)))
+        n = batch_size_of(who, args, kwargs, self.batch_dim)
         if self.batch_size is None:
             self.batch_size = n
         elif n != self.batch_size:
@@ -391,7 +260,7 @@ class PerSample:
             return
         owner = self._owners[name]
         owner.calls += 1
-        _check(name, module, self.batch_dim, owner.rule is None and owner.pieces is None)
+        check_module(name, module, self.batch_dim, owner.entry is None)
         # The calls around this one (its own too, when it is one: a replay of it with every
         # argument as passed is the first thing to try for a module without a rule).
         frames = tuple(f for _, f in self._stack if f is not None)
@@ -413,47 +282,15 @@ class PerSample:
         # held by the head and by its Linear) is covered by that module's own replay, which
         # sees every use inside its call: counting this call too would count it twice.
         covered = {q for f in frames if f.module is not module and f.name in self._owners
-                   and self._owners[f.name].rule is None and self._owners[f.name].pieces is None
+                   and self._owners[f.name].entry is None
                    for q in self._owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
-        reason = self._classify(owner, inputs, outputs)
+        reason = classify_call(owner, inputs, outputs, self.batch_size, self.batch_dim)
         if reason is not None:
             self._flagged_calls.add((name, call))
             for q in quals:
                 self._flagged.setdefault(q, (repr(name), reason))
-
-    def _classify(self, owner: _Owner, inputs: dict[str, Tensor],
-                  outputs: dict[str, Tensor]) -> str | None:
-        """Why this call's own record cannot give per-sample gradients, or ``None``."""
-        n, bd = self.batch_size, self.batch_dim
-
-        def wrong_rows(key: str, t: Tensor, what: str) -> str:
-            rows = _rows(t, bd)
-            if rows is None or rows == 1:
-                return (f"its {what} {key!r} of shape {tuple(t.shape)} has one row for {n} "
-                        "samples (shared by all of them, or one sample's own sub-call), so its "
-                        "gradient does not split by sample")
-            return (f"its {what} {key!r} has {rows} rows along batch_dim={bd} for {n} samples "
-                    "(samples folded with other rows?)")
-
-        if owner.rule is not None or owner.pieces is not None:
-            # A rule reads the first input and needs one row per sample in it (a pieces rule
-            # knows the layout of its other arguments, masks included).
-            key, inp = next(iter(inputs.items()), ("input", None))
-            if inp is None:
-                return "it was called without a tensor argument"
-            if _rows(inp, bd) != n:
-                return wrong_rows(key, inp, "input")
-            outputs = dict(list(outputs.items())[:1])
-        # A module without a rule is replayed with its arguments: those without a row per
-        # sample are shared, but every output needs one.
-        for path, t in outputs.items():
-            if t.requires_grad and _rows(t, bd) != n:
-                rows = _rows(t, bd)
-                return (f"its output {path!r} of shape {tuple(t.shape)} has "
-                        f"{'no' if rows is None else rows} rows along batch_dim={bd} for {n} samples")
-        return None
 
     # -- backward side ----------------------------------------------------------------------
 
@@ -523,7 +360,8 @@ class PerSample:
         self._replaying = True  # a fallback's own backward must not count as an increment
         try:
             with torch.no_grad():
-                compute = self._computer(owner, rec, scale, frozenset(names), materialize)
+                compute = compute_for(owner, rec, scale, frozenset(names), materialize,
+                                      self.batch_size, self.batch_dim)  # type: ignore[arg-type]
                 if materialize:
                     self._add_grads(names, compute.grads())
                 else:
@@ -535,41 +373,13 @@ class PerSample:
             self._replaying = False
         owner.seen.update(names)
 
-    def _computer(self, owner: _Owner, rec: GradRecord, scale: float,
-                  names: frozenset[str], materialize: bool = True) -> _Compute:
-        n, bd = self.batch_size, self.batch_dim
-        if owner.rule is not None and "output" in rec.grad_outputs and rec.inputs:
-            inp = next(iter(rec.inputs.values()))
-            go = rec.grad_outputs["output"]
-            if go is not None:
-                if _rows(inp, bd) != n or _rows(go, bd) != n:
-                    raise CannotReplay(
-                        f"its input {tuple(inp.shape)} or output gradient {tuple(go.shape)} has "
-                        f"no row per sample along batch_dim={bd} ({n} samples)")
-                inp, go = inp.movedim(bd, 0), go.movedim(bd, 0)
-                # Rules are linear in grad_out: scale it, or their results if those are smaller
-                # (norms and sums of squares, [N] and param-shaped, always are).
-                params = dict(owner.module.named_parameters())
-                results = go.shape[0] * sum(params[k].numel() for k in names if k in params)
-                smaller = not materialize or go.numel() > results
-                after = scale if smaller and not owner.parametrized else 1.0
-                if after == 1.0:
-                    go = go * scale
-                cls = _ParametrizedCompute if owner.parametrized else _RuleCompute
-                return cls(owner, inp, go, names, after)
-        if owner.pieces is not None:
-            pieces = owner.pieces(owner.module, rec.inputs, rec.grad_outputs, scale)
-            if pieces is not None:
-                return _PiecesCompute(pieces, names)
-        return _FallbackCompute(owner, rec, scale, names, bd, n)  # type: ignore[arg-type]
-
     def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor]) -> None:
         for rel, g in grads.items():
             qual = names[rel]
             step = self._step_grad
             step[qual] = g if qual not in step else step[qual] + g
 
-    def _add_reduced(self, names: dict[str, str], compute: _Compute, rec: GradRecord,
+    def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
                      scale: float) -> None:
         if self._want_norm:
             for rel, v in compute.norm_sq().items():
@@ -665,9 +475,9 @@ class PerSample:
                 groups.setdefault(cands.pop(0), []).append(q)
             for unit, quals in groups.items():
                 frames = frames_of(unit, [calls for q in quals for calls in self._uses(q)])
-                where = _describe(unit, frames[0].module)
+                where = describe(unit, frames[0].module)
                 try:
-                    result = self._replay_unit(frames, quals, scale)
+                    result = self._replay_frames(frames, quals, scale)
                 except CannotReplay as err:
                     for q in quals:
                         tried[q].append(f"{where}: {err}")
@@ -694,32 +504,14 @@ class PerSample:
                               f"(a forward and backward of it per step), because no rule can "
                               f"split them: {listed}", stacklevel=2)
 
-    def _replay_unit(self, frames: list[Frame], quals: list[str], scale: float) -> dict[str, Tensor]:
-        module, name = frames[0].module, frames[0].name
-        under: dict[int, str] = {}
-        for rel, p in module.named_parameters(remove_duplicate=False):
-            under.setdefault(id(p), rel)
-        keys = {q: under.get(id(self._params[q]), q) for q in quals}
-        params = {keys[q]: self._params[q] for q in quals}
-        total: dict[str, Tensor] = {}
-        self._replaying = True
+    def _replay_frames(self, frames: list[Frame], quals: list[str],
+                       scale: float) -> dict[str, Tensor]:
+        self._replaying = True  # the replay's own hooks and backward are not new uses
         try:
-            for frame in frames:
-                why = frame.changed()
-                if why is not None:
-                    raise CannotReplay(why)
-                if not frame.grads:
-                    continue
-                out = replay_call(module, name, frame.args, frame.kwargs, frame.grads,  # type: ignore[arg-type]
-                                  params, self.batch_dim, self.batch_size, scale,  # type: ignore[arg-type]
-                                  autocast=frame.autocast)
-                for k, g in out.items():
-                    total[k] = g if k not in total else total[k] + g
+            return replay_frames(frames, {q: self._params[q] for q in quals}, self.batch_dim,
+                                 self.batch_size, scale)  # type: ignore[arg-type]
         finally:
             self._replaying = False
-        n = self.batch_size
-        return {q: total[keys[q]].detach() if keys[q] in total
-                else self._params[q].new_zeros((n, *self._params[q].shape)) for q in quals}  # type: ignore[arg-type]
 
     def _fail(self, qual: str, problem: tuple[str, str], tried: list[str]) -> None:
         module_name, reason = problem
@@ -813,45 +605,8 @@ class PerSample:
                 "since the start or the last ps.clear(), after their norms/statistics were "
                 "already reduced; call ps.clear() before each forward, or add 'grad' to quantities"
             )
-        out: dict[str, object] = {}
-        grads: dict[str, Tensor] = {}
-        norms: dict[str, Tensor] = {}
-        second: dict[str, Tensor] = {}
-        var: dict[str, Tensor] = {}
-        snr: dict[str, Tensor] = {}
-        for qual, p in self._params.items():
-            g = self._grad.get(qual)
-            if g is None and qual not in self._norm_sq and qual not in self._sum_sq:
-                # Never reached by this backward: every sample's gradient is zero.
-                g = p.new_zeros((n, *p.shape))
-            if g is not None:
-                grads[qual] = g
-                if self._want_norm:
-                    norms[qual] = g.flatten(1).square().sum(1)
-                if "second_moment" in self.quantities:
-                    second[qual] = g.square().mean(0)
-                if self._want_var:
-                    var[qual], m = torch.var_mean(g, 0, correction=0)
-                    if "snr" in self.quantities:
-                        snr[qual] = m.square() / (var[qual] + SNR_EPS)
-                continue
-            if self._want_norm:
-                norms[qual] = self._norm_sq[qual]
-            if self._want_stats:
-                second[qual] = sm = self._sum_sq[qual] / n
-            if self._want_var:
-                total = self._total.get(qual)
-                m2 = (total / n).square_() if total is not None else torch.zeros_like(sm)
-                var[qual] = (sm - m2).clamp_min_(0)
-                if "snr" in self.quantities:
-                    snr[qual] = m2 / (var[qual] + SNR_EPS)
-        if self._want_grad:
-            out["grad"] = grads
-        if self._want_norm:
-            out["norm"] = torch.stack(list(norms.values())).sum(0).sqrt()
-            out["norms"] = {k: v.sqrt() for k, v in norms.items()}
-        out["second_moment"], out["variance"], out["snr"] = second, var, snr
-        return out
+        return results(self._params, n, self.quantities, self._grad, self._norm_sq,
+                       self._sum_sq, self._total)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -901,163 +656,6 @@ def _call_kw(ref: weakref.ref[PerSample], method: str, name: str, module: nn.Mod
     obj = ref()
     if obj is not None:
         getattr(obj, method)(name, module, args, kwargs)
-
-
-def _check(name: str, module: nn.Module, batch_dim: int, subtree: bool) -> None:
-    """Refuse modules whose samples are coupled, or whose layout contradicts ``batch_dim``."""
-    subs = module.named_modules() if subtree else [("", module)]
-    for sub_name, sub in subs:
-        check = CHECK.lookup(sub)
-        reason = check(sub) if check is not None else None
-        if reason is not None:
-            where = _qualify(name, sub_name)
-            inside = f" (inside {name!r}, replayed by the fallback)" if sub_name else ""
-            raise UnsupportedModuleError(
-                f"per-sample gradients of module {where!r} ({type(sub).__name__}){inside} are "
-                f"not defined: {reason}"
-            )
-    required = BATCH_DIM.lookup(module)
-    if required is not None and required(module) != batch_dim:
-        raise ValueError(
-            f"per_sample: batch_dim={batch_dim}, but module {name!r} ({type(module).__name__}) "
-            f"takes inputs with the sample dim at {required(module)}; use "
-            f"batch_dim={required(module)}"
-        )
-
-
-class _Compute:
-    """The quantities of one record, computed on demand."""
-
-    def grads(self) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def norm_sq(self) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def sum_sq(self) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-
-class _RuleCompute(_Compute):
-    """A registered rule on ``(input, grad_out)``; ``after`` scales results (rules are linear)."""
-
-    def __init__(self, owner: _Owner, inp: Tensor, go: Tensor, names: frozenset[str],
-                 after: float = 1.0) -> None:
-        self.owner, self.inp, self.go, self.names, self.after = owner, inp, go, names, after
-
-    def _scaled(self, out: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
-        if factor != 1.0:
-            for v in out.values():
-                v.mul_(factor)  # rule results are fresh tensors
-        return out
-
-    def grads(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, self.owner.rule
-        return self._scaled(rule(module, self.inp, self.go, self.names), self.after)  # type: ignore[misc]
-
-    def norm_sq(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, NORM.lookup(self.owner.module)
-        if rule is not None:
-            out = rule(module, self.inp, self.go, self.names)
-        else:
-            out = norm_sq_from_grad(self.owner.rule, module, self.inp, self.go, self.names)  # type: ignore[arg-type]
-        return self._scaled(out, self.after**2)
-
-    def sum_sq(self) -> dict[str, Tensor]:
-        module, rule = self.owner.module, SUM_SQ.lookup(self.owner.module)
-        if rule is not None:
-            out = rule(module, self.inp, self.go, self.names)
-        else:
-            out = sum_sq_from_grad(self.owner.rule, module, self.inp, self.go, self.names)  # type: ignore[arg-type]
-        return self._scaled(out, self.after**2)
-
-
-class _ParametrizedCompute(_RuleCompute):
-    """A rule's gradients w.r.t. a parametrized tensor, carried back to its originals.
-
-    Per sample, ``d s_n / d original = J^T (d s_n / d weight)`` with ``J`` the Jacobian of
-    the parametrization at the current originals: one ``vjp``, vmapped over samples.
-    """
-
-    def grads(self) -> dict[str, Tensor]:
-        module, owner = self.owner.module, self.owner
-        originals = {rel for rels in owner.parametrized.values() for rel in rels}
-        rule_names = (self.names - originals) | {
-            t for t, rels in owner.parametrized.items() if set(rels) & self.names
-        }
-        raw = owner.rule(module, self.inp, self.go, frozenset(rule_names))  # type: ignore[misc]
-        out = {k: v for k, v in raw.items() if k not in owner.parametrized}
-        for tensor, rels in owner.parametrized.items():
-            if tensor not in raw:
-                continue
-            plist = module.parametrizations[tensor]
-            prefix = f"parametrizations.{tensor}."
-            primals = {rel[len(prefix):]: getattr(plist, rel[len(prefix):]).detach()
-                       for rel in rels}
-            with torch.enable_grad(), quiet_vmap():
-                _, pullback = torch.func.vjp(
-                    lambda p, plist=plist: torch.func.functional_call(plist, p, ()), primals
-                )
-                per_sample = torch.func.vmap(pullback)(raw[tensor])[0]
-            out.update({prefix + k: v for k, v in per_sample.items()})
-        return out
-
-    def norm_sq(self) -> dict[str, Tensor]:
-        return {k: g.flatten(1).square().sum(1) for k, g in self.grads().items()}
-
-    def sum_sq(self) -> dict[str, Tensor]:
-        return {k: g.square().sum(0) for k, g in self.grads().items()}
-
-
-class _PiecesCompute(_Compute):
-    def __init__(self, pieces: list[Piece], names: frozenset[str]) -> None:
-        self.pieces, self.names = pieces, names
-
-    def grads(self) -> dict[str, Tensor]:
-        return grad_pieces(self.pieces, self.names)
-
-    def norm_sq(self) -> dict[str, Tensor]:
-        return norm_sq_pieces(self.pieces, self.names)
-
-    def sum_sq(self) -> dict[str, Tensor]:
-        return sum_sq_pieces(self.pieces, self.names)
-
-
-class _FallbackCompute(_Compute):
-    def __init__(self, owner: _Owner, rec: GradRecord, scale: float, names: frozenset[str],
-                 batch_dim: int, n: int) -> None:
-        self.owner, self.rec, self.scale, self.names = owner, rec, scale, names
-        self.batch_dim, self.n = batch_dim, n
-
-    def _run(self, samples: slice | None = None) -> dict[str, Tensor]:
-        return grad_fallback(self.owner.module, self.owner.name, self.rec.inputs,
-                             self.rec.grad_outputs, self.names, self.batch_dim, self.scale,
-                             samples, self.n)
-
-    def grads(self) -> dict[str, Tensor]:
-        return self._run()
-
-    def _chunks(self) -> Sequence[slice]:
-        tensors = [*self.rec.inputs.values(),
-                   *(g for g in self.rec.grad_outputs.values() if g is not None)]
-        params = dict(self.owner.module.named_parameters())
-        per_sample = sum(params[k].numel() for k in self.names)
-        return list(chunks(self.n, per_sample, budget(*tensors)))
-
-    def norm_sq(self) -> dict[str, Tensor]:
-        parts: dict[str, list[Tensor]] = {}
-        for sl in self._chunks():
-            for k, g in self._run(sl).items():
-                parts.setdefault(k, []).append(g.flatten(1).square().sum(1))
-        return {k: torch.cat(v) for k, v in parts.items()}
-
-    def sum_sq(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for sl in self._chunks():
-            for k, g in self._run(sl).items():
-                s = g.square().sum(0)
-                out[k] = s if k not in out else out[k] + s
-        return out
 
 
 def per_sample(

@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradtap._per_sample.rule import PerSampleRule, Piece, chunks
 from gradtap.errors import UnsupportedModuleError
-from gradtap.per_sample.table import BATCH_DIM, PIECES, Piece, chunks
 
-__all__ = ["pieces_attention"]
+__all__ = ["ATTENTION", "batch_dim_attention", "pieces_attention"]
 
 
 def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -153,13 +153,11 @@ def _core_backward(q_t: Tensor, k_t: Tensor, v_t: Tensor, d_out_t: Tensor,
     return context_t, dq_t, dk_t, dv_t
 
 
-@BATCH_DIM.register(nn.MultiheadAttention)
 def batch_dim_attention(module: nn.Module) -> int:
     """Samples are at dim 0 with ``batch_first=True``, else at dim 1."""
     return 0 if module.batch_first else 1
 
 
-@PIECES.register(nn.MultiheadAttention)
 @torch.no_grad()
 def pieces_attention(
     module: nn.Module,
@@ -219,3 +217,7 @@ def pieces_attention(
     if module.out_proj.bias is not None:
         pieces.append(Piece("out_proj.bias", None, go))
     return pieces
+
+
+#: ``nn.MultiheadAttention``: its linear maps, replayed for the whole batch.
+ATTENTION = PerSampleRule(pieces=pieces_attention, batch_dim=batch_dim_attention)

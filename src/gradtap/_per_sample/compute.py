@@ -1,0 +1,191 @@
+"""The quantities of one record (per-sample gradients, squared norms, sums of squares).
+
+:func:`compute_for` picks how: the module type's rule on ``(input, grad_out)`` (carried back
+through a parametrization where there is one), its linear pieces, or the ``torch.func``
+fallback, which replays the call. Each computes only what is asked, on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap
+from gradtap._per_sample.owners import Owner, rows
+from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
+from gradtap._per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
+from gradtap.record import GradRecord
+
+__all__ = ["Compute", "FallbackCompute", "ParametrizedCompute", "PiecesCompute", "RuleCompute",
+           "compute_for"]
+
+
+class Compute:
+    """The quantities of one record, computed on demand."""
+
+    def grads(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def norm_sq(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def sum_sq(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class RuleCompute(Compute):
+    """A registered rule on ``(input, grad_out)``; ``after`` scales results (rules are linear)."""
+
+    def __init__(self, owner: Owner, inp: Tensor, go: Tensor, names: frozenset[str],
+                 after: float = 1.0) -> None:
+        self.owner, self.inp, self.go, self.names, self.after = owner, inp, go, names, after
+
+    def _scaled(self, out: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
+        if factor != 1.0:
+            for v in out.values():
+                v.mul_(factor)  # rule results are fresh tensors
+        return out
+
+    @property
+    def rule(self) -> PerSampleRule:
+        assert self.owner.rule is not None
+        return self.owner.rule
+
+    def grads(self) -> dict[str, Tensor]:
+        grad = self.rule.grad
+        assert grad is not None
+        return self._scaled(grad(self.owner.module, self.inp, self.go, self.names), self.after)
+
+    def norm_sq(self) -> dict[str, Tensor]:
+        out = self.rule.norm_sq_of(self.owner.module, self.inp, self.go, self.names)
+        return self._scaled(out, self.after**2)
+
+    def sum_sq(self) -> dict[str, Tensor]:
+        out = self.rule.sum_sq_of(self.owner.module, self.inp, self.go, self.names)
+        return self._scaled(out, self.after**2)
+
+
+class ParametrizedCompute(RuleCompute):
+    """A rule's gradients w.r.t. a parametrized tensor, carried back to its originals.
+
+    Per sample, ``d s_n / d original = J^T (d s_n / d weight)`` with ``J`` the Jacobian of
+    the parametrization at the current originals: one ``vjp``, vmapped over samples.
+    """
+
+    def grads(self) -> dict[str, Tensor]:
+        module, owner = self.owner.module, self.owner
+        originals = {rel for rels in owner.parametrized.values() for rel in rels}
+        rule_names = (self.names - originals) | {
+            t for t, rels in owner.parametrized.items() if set(rels) & self.names
+        }
+        grad = self.rule.grad
+        assert grad is not None
+        raw = grad(module, self.inp, self.go, frozenset(rule_names))
+        out = {k: v for k, v in raw.items() if k not in owner.parametrized}
+        for tensor, rels in owner.parametrized.items():
+            if tensor not in raw:
+                continue
+            plist = module.parametrizations[tensor]
+            prefix = f"parametrizations.{tensor}."
+            primals = {rel[len(prefix):]: getattr(plist, rel[len(prefix):]).detach()
+                       for rel in rels}
+            with torch.enable_grad(), quiet_vmap():
+                _, pullback = torch.func.vjp(
+                    lambda p, plist=plist: torch.func.functional_call(plist, p, ()), primals
+                )
+                per_sample = torch.func.vmap(pullback)(raw[tensor])[0]
+            out.update({prefix + k: v for k, v in per_sample.items()})
+        return out
+
+    def norm_sq(self) -> dict[str, Tensor]:
+        return {k: g.flatten(1).square().sum(1) for k, g in self.grads().items()}
+
+    def sum_sq(self) -> dict[str, Tensor]:
+        return {k: g.square().sum(0) for k, g in self.grads().items()}
+
+
+class PiecesCompute(Compute):
+    def __init__(self, pieces: list[Piece], names: frozenset[str]) -> None:
+        self.pieces, self.names = pieces, names
+
+    def grads(self) -> dict[str, Tensor]:
+        return grad_pieces(self.pieces, self.names)
+
+    def norm_sq(self) -> dict[str, Tensor]:
+        return norm_sq_pieces(self.pieces, self.names)
+
+    def sum_sq(self) -> dict[str, Tensor]:
+        return sum_sq_pieces(self.pieces, self.names)
+
+
+class FallbackCompute(Compute):
+    def __init__(self, owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
+                 batch_dim: int, n: int) -> None:
+        self.owner, self.rec, self.scale, self.names = owner, rec, scale, names
+        self.batch_dim, self.n = batch_dim, n
+
+    def _run(self, samples: slice | None = None) -> dict[str, Tensor]:
+        return grad_fallback(self.owner.module, self.owner.name, self.rec.inputs,
+                             self.rec.grad_outputs, self.names, self.batch_dim, self.scale,
+                             samples, self.n)
+
+    def grads(self) -> dict[str, Tensor]:
+        return self._run()
+
+    def _chunks(self) -> Sequence[slice]:
+        tensors = [*self.rec.inputs.values(),
+                   *(g for g in self.rec.grad_outputs.values() if g is not None)]
+        params = dict(self.owner.module.named_parameters())
+        per_sample = sum(params[k].numel() for k in self.names)
+        return list(chunks(self.n, per_sample, budget(*tensors)))
+
+    def norm_sq(self) -> dict[str, Tensor]:
+        parts: dict[str, list[Tensor]] = {}
+        for sl in self._chunks():
+            for k, g in self._run(sl).items():
+                parts.setdefault(k, []).append(g.flatten(1).square().sum(1))
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def sum_sq(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for sl in self._chunks():
+            for k, g in self._run(sl).items():
+                s = g.square().sum(0)
+                out[k] = s if k not in out else out[k] + s
+        return out
+
+
+def compute_for(owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
+                materialize: bool, n: int, bd: int) -> Compute:
+    """How to compute the quantities of one record: its rule, its pieces or the fallback.
+
+    ``scale`` turns the recorded output gradient into ``d s_n / d output``;
+    ``materialize`` says whether ``[N, *param.shape]`` will be built anyway.
+    """
+    if owner.rule is not None and "output" in rec.grad_outputs and rec.inputs:
+        inp = next(iter(rec.inputs.values()))
+        go = rec.grad_outputs["output"]
+        if go is not None:
+            if rows(inp, bd) != n or rows(go, bd) != n:
+                raise CannotReplay(
+                    f"its input {tuple(inp.shape)} or output gradient {tuple(go.shape)} has "
+                    f"no row per sample along batch_dim={bd} ({n} samples)")
+            inp, go = inp.movedim(bd, 0), go.movedim(bd, 0)
+            # Rules are linear in grad_out: scale it, or their results if those are smaller
+            # (norms and sums of squares, [N] and param-shaped, always are).
+            params = dict(owner.module.named_parameters())
+            results = go.shape[0] * sum(params[k].numel() for k in names if k in params)
+            smaller = not materialize or go.numel() > results
+            after = scale if smaller and not owner.parametrized else 1.0
+            if after == 1.0:
+                go = go * scale
+            cls = ParametrizedCompute if owner.parametrized else RuleCompute
+            return cls(owner, inp, go, names, after)
+    entry = owner.pieces
+    if entry is not None and entry.pieces is not None:
+        pieces = entry.pieces(owner.module, rec.inputs, rec.grad_outputs, scale)
+        if pieces is not None:
+            return PiecesCompute(pieces, names)
+    return FallbackCompute(owner, rec, scale, names, bd, n)

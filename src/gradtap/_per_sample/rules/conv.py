@@ -1,0 +1,133 @@
+"""Per-sample rules for ``Conv1d/2d/3d`` and ``ConvTranspose1d/2d/3d``, one N-d implementation.
+
+Per-sample weight gradients are the weight gradient with the batch kept: the rule hands the
+call to the convolution weight-gradient core of ``gradtap.functional._weight_grad`` (the one
+behind ``gt.functional.conv_weight_grad``), which picks per shape between the library's
+weight-gradient kernel with the samples folded into the groups and unfolded windows times
+``grad_out`` (:func:`~gradtap.functional._weight_grad.choose_method`). A padding mode other
+than zeros (and asymmetric ``'same'`` padding) is applied to the input first (``F.pad`` with
+the module's mode), exactly as the module's forward does, so reflect/replicate/circular need
+no special case.
+
+Squared norms: direct (per-sample gradients a chunk at a time) or Gram ("ghost") form
+``sum_{l,l'} (U^T U)_{ll'} (go^T go)_{ll'}`` with ``U`` the windows, whichever costs fewer
+flops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradtap._per_sample.rule import PerSampleRule, budget, chunks
+from gradtap.functional._weight_grad import (
+    Method,
+    WeightGradProblem,
+    choose_method,
+    weight_grad,
+    weight_grad_problem,
+    windows,
+)
+
+__all__ = ["CONV", "CONV_TYPES", "grad_conv", "norm_conv"]
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+              nn.ConvTranspose3d)
+
+Form = Literal["direct", "ghost"]
+
+
+def _problem(module: nn.Module, inp: Tensor, grad_out: Tensor) -> WeightGradProblem:
+    d = len(module.kernel_size)
+    if inp.dim() != d + 2:
+        raise ValueError(
+            f"{type(module).__name__}: per-sample gradients need a batched input "
+            f"[N, C, *spatial] with {d + 2} dims, got shape {tuple(inp.shape)}"
+        )
+    if module.transposed:
+        padding = tuple(module.padding)
+    else:
+        pad = tuple(module._reversed_padding_repeated_twice)
+        if module.padding_mode != "zeros" or pad[0::2] != pad[1::2]:
+            # Another padding mode, or asymmetric 'same' padding: pad as the forward does.
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            inp, padding = F.pad(inp, pad, mode=mode), (0,) * d
+        else:
+            padding = tuple(reversed(pad[0::2]))
+    return weight_grad_problem(inp, grad_out, module.kernel_size, module.stride, padding,
+                               module.dilation, module.groups, module.transposed)
+
+
+def _bias(module: nn.Module, grad_out: Tensor) -> Tensor:
+    return grad_out.flatten(2).sum(2)
+
+
+def grad_conv(
+    module: nn.Module,
+    inp: Tensor,
+    grad_out: Tensor,
+    names: frozenset[str],
+    method: Method | None = None,
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``weight: [N, *weight.shape]``, ``bias: [N, out_channels]``.
+
+    ``method`` forces ``"unfold"`` or ``"conv"`` (default: ``choose_method``).
+    """
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = weight_grad(_problem(module, inp, grad_out), keep_batch=True,
+                                    method=method)
+    if "bias" in names:
+        out["bias"] = _bias(module, grad_out)
+    return out
+
+
+def norm_conv(
+    module: nn.Module,
+    inp: Tensor,
+    grad_out: Tensor,
+    names: frozenset[str],
+    form: Form | None = None,
+) -> dict[str, Tensor]:
+    """Squared per-sample norms ``[N]``, direct or Gram form, whichever costs fewer flops.
+
+    ``form`` forces ``"direct"`` or ``"ghost"`` (for tests and benchmarks).
+    """
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        p = _problem(module, inp, grad_out)
+        n, c = p.x.shape[:2]
+        o = p.g.shape[1]
+        k = math.prod(p.kernel)
+        length = math.prod(p.g.shape[2:])
+        direct = o * (c // p.groups) * k * length
+        ghost = length * length * (c * k + o)
+        limit = budget(p.x, p.g)
+        parts = []
+        if (form or ("ghost" if ghost < direct else "direct")) == "ghost":
+            per_sample = c * k * length + 2 * p.groups * length * length
+            for sl in chunks(n, per_sample, limit):
+                q = p._replace(x=p.x[sl], g=p.g[sl])
+                u = windows(q)
+                g = q.g.reshape(u.shape[0], o // p.groups, -1)
+                gram = torch.bmm(u.transpose(1, 2), u).mul_(torch.bmm(g.transpose(1, 2), g))
+                parts.append(gram.reshape(sl.stop - sl.start, -1).sum(1))
+        else:
+            method = choose_method(p)
+            per_sample = o * (c // p.groups) * k + (c * k * length if method == "unfold" else c)
+            for sl in chunks(n, per_sample, limit):
+                w = weight_grad(p._replace(x=p.x[sl], g=p.g[sl]), keep_batch=True,
+                                method=method)
+                parts.append(w.flatten(1).square().sum(1))
+        out["weight"] = torch.cat(parts)
+    if "bias" in names:
+        out["bias"] = _bias(module, grad_out).square().sum(1)
+    return out
+
+
+#: ``CONV_TYPES``: inputs ``[N, C, *spatial]``; the sum of squares is reduced from ``grad``.
+CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, batch_dim=0)
