@@ -25,7 +25,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import Tensor, nn
@@ -85,15 +85,16 @@ class PerSample:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be a non-negative int; got {batch_dim!r}")
-        quantities = (quantities,) if isinstance(quantities, str) else tuple(quantities)
-        unknown = [q for q in quantities if q not in _QUANTITIES]
-        if unknown or not quantities:
+        asked: tuple[str, ...] = ((quantities,) if isinstance(quantities, str)
+                                  else tuple(quantities))
+        unknown = [q for q in asked if q not in _QUANTITIES]
+        if unknown or not asked:
             raise ValueError(
-                f"quantities must be a non-empty subset of {_QUANTITIES}; got {quantities!r}"
+                f"quantities must be a non-empty subset of {_QUANTITIES}; got {asked!r}"
             )
         self.loss_reduction = loss_reduction
         self.batch_dim = batch_dim
-        self.quantities: tuple[Quantity, ...] = quantities
+        self.quantities: tuple[Quantity, ...] = cast(tuple[Quantity, ...], asked)  # checked
         self._want_grad = "grad" in quantities
         self._want_norm = "norm" in quantities
         self._want_stats = bool(STATS & set(quantities))
@@ -431,10 +432,10 @@ class PerSample:
                     rows[q] = (a, self._increments.get(q, torch.zeros_like(a)),
                                self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
-                a = self._step_pg.get(q)
-                if a is None:
-                    a = torch.zeros_like(self._params[q])
-                rows[q] = (a, self._increments.get(q, torch.zeros_like(a)), None)
+                pg = self._step_pg.get(q)
+                if pg is None:
+                    pg = torch.zeros_like(self._params[q])
+                rows[q] = (pg, self._increments.get(q, torch.zeros_like(pg)), None)
         return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")

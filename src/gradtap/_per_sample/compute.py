@@ -8,6 +8,7 @@ fallback, which replays the call. Each computes only what is asked, on demand.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -87,14 +88,14 @@ class ParametrizedCompute(RuleCompute):
         for tensor, rels in owner.parametrized.items():
             if tensor not in raw:
                 continue
-            plist = module.parametrizations[tensor]
+            plist = cast(Any, module).parametrizations[tensor]  # a parametrized module
             prefix = f"parametrizations.{tensor}."
             primals = {rel[len(prefix):]: getattr(plist, rel[len(prefix):]).detach()
                        for rel in rels}
             with torch.enable_grad(), quiet_vmap():
-                _, pullback = torch.func.vjp(
+                pullback = torch.func.vjp(
                     lambda p, plist=plist: torch.func.functional_call(plist, p, ()), primals
-                )
+                )[1]
                 per_sample = torch.func.vmap(pullback)(raw[tensor])[0]
             out.update({prefix + k: v for k, v in per_sample.items()})
         return out

@@ -255,8 +255,10 @@ def _looped(module: nn.Module, name: str, args: Any, kwargs: dict[str, Any],
     cuda = [leaf.device for leaf in leaves if leaf.device.type == "cuda"][:1]
     cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda]
     for i in range(sl.stop - sl.start):
-        a, k = map_tensors((args, kwargs), lambda t, i=i: t.detach().narrow(
-            batch_dim, sl.start + i, 1) if batched(t) else t.detach())
+        def sample(t: Tensor, i: int = i) -> Tensor:
+            return t.detach().narrow(batch_dim, sl.start + i, 1) if batched(t) else t.detach()
+
+        a, k = map_tensors((args, kwargs), sample)
         result = module(*a, **k)
         g_i = {p: g.narrow(batch_dim, i, 1) for p, g in gs.items()}
         total = _sum_products(result, g_i, batch_dim, squeeze=False)
@@ -306,7 +308,7 @@ def grad_fallback(
     if n is None:
         n = next(iter(inputs.values())).shape[batch_dim]
     args, kwargs = _bind(module, name, _nest(inputs))
-    every = dict(module.named_parameters())
+    every: dict[str, Tensor] = dict(module.named_parameters())
     params = {k: every[k] for k in names}
     gs = {k: g for k, g in grad_outputs.items() if g is not None}
     return replay_call(module, name, args, kwargs, gs, params, batch_dim, n, scale, samples)

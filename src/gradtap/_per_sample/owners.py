@@ -78,7 +78,7 @@ def _rule_for(module: nn.Module) -> PerSampleRule | None:
         return None
     cls = type_before_parametrizations(module)
     owner = next(c for c in cls.__mro__ if c in PER_SAMPLE)
-    return rule if cls.forward is owner.forward else None
+    return rule if getattr(cls, "forward", None) is getattr(owner, "forward", None) else None
 
 
 def rows(t: Tensor, batch_dim: int) -> int | None:

@@ -26,7 +26,7 @@ import enum
 import functools
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -167,8 +167,8 @@ def tolerance(param: Tensor) -> float:
     return 2e-2 if reduced else 1e-3
 
 
-def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
-               params: dict[str, Tensor], c: float, largest: Callable[[], float]) -> set[str]:
+def mismatches(rows: Mapping[str, tuple[Tensor, Tensor, Tensor | None]],
+               params: Mapping[str, Tensor], c: float, largest: Callable[[], float]) -> set[str]:
     """Names whose per-sample sum is not their gradient increment, in one host copy per device.
 
     ``rows[name] = (per-sample sum, increment, per-sample gradients or None)``, where the sum
@@ -197,7 +197,7 @@ def mismatches(rows: dict[str, tuple[Tensor, Tensor, Tensor | None]],
     if not bad:
         return bad
     floor = 1e-2 * largest()
-    grads = {k: rows[k][2] for k in bad if rows[k][2] is not None}
+    grads = {k: g for k in bad if (g := rows[k][2]) is not None}
     sizes = _host({k: torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF
                                                else None).reshape(1)
                    for k, g in grads.items()}) if grads else {}

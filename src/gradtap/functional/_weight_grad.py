@@ -89,7 +89,7 @@ def weight_grad_problem(
         return p
     if any(p.padding):
         x = F.pad(x, tuple(q for q in reversed(p.padding) for _ in range(2)))
-    x = x[(slice(None), slice(None), *(slice(0, m) for m in need))]
+    x = x[(slice(None), slice(None)) + tuple(slice(0, m) for m in need)]
     return p._replace(x=x, padding=(0,) * len(p.kernel))
 
 

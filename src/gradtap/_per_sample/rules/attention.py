@@ -28,7 +28,7 @@ weights in training mode cannot be replayed by either and is refused.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +78,9 @@ def _left(w: Tensor, x_t: Tensor) -> Tensor:
     return torch.bmm(w.expand(x_t.shape[0], *w.shape), x_t)
 
 
-def _groups(module: nn.Module, xs: list[Tensor]) -> list[_Group]:
+def _groups(mha: nn.Module, xs: list[Tensor]) -> list[_Group]:
     """Group q, k, v projections by shared input, in row order (q, k, v)."""
+    module = cast(nn.MultiheadAttention, mha)
     e = module.embed_dim
     bias = module.in_proj_bias
     if not module._qkv_same_embed_dim:
@@ -93,6 +94,7 @@ def _groups(module: nn.Module, xs: list[Tensor]) -> list[_Group]:
         else:
             spans.append([j])
     weight = module.in_proj_weight
+    assert weight is not None  # _qkv_same_embed_dim
     return [_Group("in_proj_weight", xs[span[0]], span,
                    weight[span[0] * e:(span[-1] + 1) * e],
                    None if bias is None else bias[span[0] * e:(span[-1] + 1) * e])
@@ -114,7 +116,7 @@ class _Masks(NamedTuple):
 
 def _masks(module: nn.Module, inputs: dict[str, Tensor], n: int, t: int, s: int,
            dtype: torch.dtype) -> _Masks:
-    h = module.num_heads
+    h = cast(nn.MultiheadAttention, module).num_heads
     attn = _float_mask(inputs.get("attn_mask"), dtype)
     if attn is not None:
         attn = attn.reshape(1, 1, t, s) if attn.dim() == 2 else attn.reshape(n, h, t, s)

@@ -17,11 +17,12 @@ flops.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from gradtap._per_sample.rule import PerSampleRule, budget, chunks
 from gradtap.functional._weight_grad import (
@@ -41,20 +42,22 @@ CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTransp
 Form = Literal["direct", "ghost"]
 
 
-def _problem(module: nn.Module, inp: Tensor, grad_out: Tensor) -> WeightGradProblem:
+def _problem(conv: nn.Module, inp: Tensor, grad_out: Tensor) -> WeightGradProblem:
+    module = cast(_ConvNd, conv)
     d = len(module.kernel_size)
     if inp.dim() != d + 2:
         raise ValueError(
             f"{type(module).__name__}: per-sample gradients need a batched input "
             f"[N, C, *spatial] with {d + 2} dims, got shape {tuple(inp.shape)}"
         )
+    padding: tuple[int, ...]
     if module.transposed:
-        padding = tuple(module.padding)
+        padding = tuple(cast(tuple[int, ...], module.padding))  # ints: 'same' is not allowed
     else:
         pad = tuple(module._reversed_padding_repeated_twice)
         if module.padding_mode != "zeros" or pad[0::2] != pad[1::2]:
             # Another padding mode, or asymmetric 'same' padding: pad as the forward does.
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            mode = "constant" if module.padding_mode == "zeros" else str(module.padding_mode)
             inp, padding = F.pad(inp, pad, mode=mode), (0,) * d
         else:
             padding = tuple(reversed(pad[0::2]))

@@ -10,6 +10,8 @@ segments squared, so the cost is ``O(N T D)`` instead of ``O(N V D)``, without a
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor, nn
 
@@ -29,16 +31,16 @@ def check_embedding(module: nn.Module) -> str | None:
     return None
 
 
-def _flat(module: nn.Module, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+def _flat(module: nn.Embedding, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
     n = inp.shape[0]
     idx = inp.reshape(n, -1)
     b = grad_out.reshape(n, -1, grad_out.shape[-1])
     if module.padding_idx is not None:
-        b = b.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
+        b = b.masked_fill(torch.eq(idx, module.padding_idx).unsqueeze(-1), 0)
     return idx, b
 
 
-def _keys(module: nn.Module, idx: Tensor) -> Tensor:
+def _keys(module: nn.Embedding, idx: Tensor) -> Tensor:
     n = idx.shape[0]
     offsets = torch.arange(n, device=idx.device).mul_(module.num_embeddings)
     return (idx + offsets[:, None]).flatten()
@@ -50,6 +52,7 @@ def grad_embedding(
     """Per-sample gradients ``weight: [N, num_embeddings, embedding_dim]``."""
     if "weight" not in names:
         return {}
+    module = cast(nn.Embedding, module)
     idx, b = _flat(module, inp, grad_out)
     n, _, d = b.shape
     g = b.new_zeros(n * module.num_embeddings, d)
@@ -57,7 +60,7 @@ def grad_embedding(
     return {"weight": g.view(n, module.num_embeddings, d)}
 
 
-def _segments(module: nn.Module, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+def _segments(module: nn.Embedding, inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
     """Per (sample, row) sums ``[N*T, D]`` and their keys ``sample * V + row`` ``[N*T]``.
 
     There are at most N*T distinct keys; rows past the last segment stay zero, so whatever
@@ -80,6 +83,7 @@ def norm_embedding(
     """Squared per-sample norms ``[N]`` from the touched rows only."""
     if "weight" not in names:
         return {}
+    module = cast(nn.Embedding, module)
     sums, seg_key = _segments(module, inp, grad_out)
     sq = sums.square().sum(1)
     out = sq.new_zeros(inp.shape[0]).index_add_(0, seg_key // module.num_embeddings, sq)
@@ -92,6 +96,7 @@ def sum_sq_embedding(
     """``sum_n g_n**2`` ``[num_embeddings, embedding_dim]`` from the touched rows only."""
     if "weight" not in names:
         return {}
+    module = cast(nn.Embedding, module)
     sums, seg_key = _segments(module, inp, grad_out)
     out = sums.new_zeros(module.num_embeddings, sums.shape[1])
     out.index_add_(0, seg_key % module.num_embeddings, sums.square())

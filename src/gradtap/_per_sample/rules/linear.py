@@ -12,12 +12,13 @@ are no sequence dims; with them it is reduced from per-sample gradients in chunk
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import GradRule, PerSampleRule, Piece, budget, chunks
+from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
 
 __all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
            "sum_sq_linear", "sum_sq_pieces"]
@@ -29,7 +30,7 @@ def _flat(inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def grad_linear(
-    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+    module: nn.Module | None, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``weight: [N, O, I]``, ``bias: [N, O]``."""
     a, b = _flat(inp, grad_out)
@@ -45,7 +46,7 @@ def grad_linear(
 
 
 def norm_linear(
-    module: nn.Module,
+    module: nn.Module | None,
     inp: Tensor,
     grad_out: Tensor,
     names: frozenset[str],
@@ -82,7 +83,7 @@ def norm_linear(
 
 
 def sum_sq_linear(
-    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+    module: nn.Module | None, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
     """``sum_n g_n**2``: one matrix product ``(b^2)^T (a^2)`` without sequence dims."""
     a, b = _flat(inp, grad_out)
@@ -112,7 +113,11 @@ def _by_name(pieces: list[Piece], names: frozenset[str]) -> dict[str, list[Piece
     return grouped
 
 
-def _piece(rule: GradRule, piece: Piece) -> Tensor:
+#: A linear rule's signature as the pieces call it: the module is not needed (None).
+_LinearRule: TypeAlias = Callable[[nn.Module | None, Tensor, Tensor, frozenset[str]], dict[str, Tensor]]
+
+
+def _piece(rule: _LinearRule, piece: Piece) -> Tensor:
     if piece.inp is None:  # a bias: the map's input is a constant 1
         n, o = piece.grad_out.shape[0], piece.grad_out.shape[-1]
         ones = piece.grad_out.new_ones(n, 1, 1)

@@ -11,6 +11,8 @@ normalizes with statistics of the whole batch, which couples the samples: it is 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -30,6 +32,7 @@ def _affine(x_hat: Tensor, grad_out: Tensor, names: frozenset[str], shape: tuple
     the parameter's dims (trailing layout) or after the channel dim (channel-first layout).
     """
     n = grad_out.shape[0]
+    view: tuple[int, ...]
     if channel_first:
         view, dim = (n, shape[0], -1), 2
     else:
@@ -54,8 +57,9 @@ def grad_layernorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``weight, bias: [N, *normalized_shape]``."""
-    shape = tuple(module.normalized_shape)
-    x_hat = F.layer_norm(inp, shape, None, None, module.eps)
+    m = cast(nn.LayerNorm, module)
+    shape = tuple(m.normalized_shape)
+    x_hat = F.layer_norm(inp, shape, None, None, m.eps)
     return _affine(x_hat, grad_out, names, shape, channel_first=False)
 
 
@@ -63,8 +67,9 @@ def grad_rmsnorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``weight: [N, *normalized_shape]``."""
-    shape = tuple(module.normalized_shape)
-    x_hat = F.rms_norm(inp, shape, None, module.eps)
+    m = cast(nn.RMSNorm, module)
+    shape = tuple(m.normalized_shape)
+    x_hat = F.rms_norm(inp, shape, None, m.eps)
     return _affine(x_hat, grad_out, names, shape, channel_first=False)
 
 
@@ -73,28 +78,32 @@ def grad_groupnorm(
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``weight, bias: [N, num_channels]``."""
     _batched(module, inp, 2)
-    x_hat = F.group_norm(inp, module.num_groups, None, None, module.eps)
-    return _affine(x_hat, grad_out, names, (module.num_channels,), channel_first=True)
+    m = cast(nn.GroupNorm, module)
+    x_hat = F.group_norm(inp, m.num_groups, None, None, m.eps)
+    return _affine(x_hat, grad_out, names, (m.num_channels,), channel_first=True)
 
 
 def _running(module: nn.Module, inp: Tensor) -> Tensor:
+    m = cast(nn.modules.batchnorm._NormBase, module)  # BatchNorm*d, InstanceNorm*d
+    assert m.running_mean is not None and m.running_var is not None  # checked by the caller
     shape = (1, -1) + (1,) * (inp.dim() - 2)
-    mean = module.running_mean.view(shape)
-    var = module.running_var.view(shape)
-    return (inp - mean) * torch.rsqrt(var + module.eps)
+    mean = m.running_mean.view(shape)
+    var = m.running_var.view(shape)
+    return (inp - mean) * torch.rsqrt(var + m.eps)
 
 
 def grad_instancenorm(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``weight, bias: [N, num_features]`` (``affine=True``)."""
-    _batched(module, inp, module._get_no_batch_dim() + 1)
-    if module.track_running_stats and not module.training:
-        x_hat = _running(module, inp)
+    m = cast(nn.modules.instancenorm._InstanceNorm, module)
+    _batched(m, inp, m._get_no_batch_dim() + 1)
+    if m.track_running_stats and not m.training:
+        x_hat = _running(m, inp)
     else:
         # No running buffers passed: F.instance_norm would update them in place.
-        x_hat = F.instance_norm(inp, None, None, None, None, True, 0.0, module.eps)
-    return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
+        x_hat = F.instance_norm(inp, None, None, None, None, True, 0.0, m.eps)
+    return _affine(x_hat, grad_out, names, (m.num_features,), channel_first=True)
 
 
 def check_batchnorm(module: nn.Module) -> str | None:
@@ -114,7 +123,8 @@ def grad_batchnorm(
     """Per-sample gradients ``weight, bias: [N, num_features]`` (eval mode only)."""
     _batched(module, inp, 2)
     x_hat = _running(module, inp)
-    return _affine(x_hat, grad_out, names, (module.num_features,), channel_first=True)
+    num_features = cast(nn.modules.batchnorm._BatchNorm, module).num_features
+    return _affine(x_hat, grad_out, names, (num_features,), channel_first=True)
 
 
 # LayerNorm and RMSNorm normalize trailing dims: any sample dim works. The others take
