@@ -399,3 +399,18 @@ def test_second_path_alias_refuses_in_place_and_parent_records_stay_right():
 
     m = Outer()
     check_against_oracle(m, lambda: (lambda a, b: (a * 2 + b ** 2).sum())(*m(x)))
+
+
+def test_view_of_an_earlier_tensor_later_uses_of_the_base_count_within_the_view():
+    """Documented: for a call returning a view of a tensor made before it, later uses of that
+    tensor within the view count as uses of the output; outside the view they do not."""
+    s = Slice()
+    x = torch.randn(2, 5, requires_grad=True)
+    with gt.tap(s, select="") as t:
+        h = x * 1.0
+        y = s(h)
+        (2 * y.sum() + (3 * h).sum()).backward()
+    go = t.records[0].grad_outputs["output"]
+    torch.testing.assert_close(go, torch.full((2, 3), 5.0))  # 2 from y, 3 from h's region
+    torch.testing.assert_close(x.grad, torch.cat([torch.full((2, 3), 5.0),
+                                                  torch.full((2, 2), 3.0)], 1))
