@@ -29,7 +29,7 @@ def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (
     directly)."""
     parts, order = [], []
     for idx in ops.group_by_device_dtype(tensors).values():
-        parts.append(_norm_vector([tensors[i] for i in idx]))
+        parts.append(ops.group_norms([tensors[i] for i in idx]))
         order.append(idx)
     n = len(tensors)
     for _, idx in ops.group_by_device_dtype(list(extra)).items():
@@ -76,37 +76,12 @@ def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
 
 def _flag_from_norms(group: Sequence[Tensor], device: torch.device) -> Tensor:
     """``nonfinite_flags``' fallback: the list's norms summed, by device and dtype."""
-    total = torch.stack([_norm_vector([group[i] for i in idx]).sum().to(device)
+    total = torch.stack([ops.group_norms([group[i] for i in idx]).sum().to(device)
                          for idx in ops.group_by_device_dtype(group).values()]).sum()
     return torch.isfinite(total).logical_not().to(torch.float32)
 
 
-def _norm_vector(group: list[Tensor]) -> Tensor:
-    """L2 norms [len(group)] of tensors of one device and dtype."""
-    if group[0].dtype in (torch.float16, torch.bfloat16):
-        return torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
-    return torch.stack(torch._foreach_norm(group))
-
-
 def to_host(parts: list[Tensor]) -> list[np.ndarray]:
-    """Copy 1-d tensors to the host as numpy arrays: one transfer per device (float64), or
-    for CPU tensors a view of their own memory (float32 or float64 as they are; bfloat16,
-    which numpy lacks, as float64)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(parts):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[np.ndarray] = [np.empty(0)] * len(parts)
-    for device, idx in by_device.items():
-        if device.type == "cpu":
-            for i in idx:
-                t = parts[i].reshape(-1)
-                out[i] = (t if t.dtype != torch.bfloat16 else t.to(torch.float64)).numpy()
-            continue
-        flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in idx])
-        host = flat.cpu().numpy()
-        offset = 0
-        for i in idx:
-            n = parts[i].numel()
-            out[i] = host[offset:offset + n]
-            offset += n
-    return out
+    """The check's one host copy (``gradtap._tensorops.to_host``), looked up here so the
+    number of copies a check makes can be counted in tests."""
+    return ops.to_host(parts)
