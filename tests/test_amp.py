@@ -1,0 +1,224 @@
+"""Mixed precision: with ``scaler=`` every consumer sees the unscaled gradient.
+
+Oracle: the same model and batch under the same autocast, differentiated without a scaler
+by ``torch.autograd.grad`` (the scale is a power of two, so the scaled backward is exactly
+``scale`` times this one), reduced in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradtap as gt
+
+SCALE = 1024.0
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return out.float().pow(2).mean()
+
+
+def _oracle(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(_loss(model, x), params)
+    return {n: g.double() for n, g in zip(names, grads)}
+
+
+def _stats(g: torch.Tensor) -> dict[str, float]:
+    return {"norm": float(g.norm()), "mean": float(g.mean()), "std": float(g.std(unbiased=False)),
+            "absmax": float(g.abs().max())}
+
+
+def _value(mon: gt.Monitor, step: int, name: str, stat: str) -> float:
+    steps, values = mon._history().series(name, stat)
+    return float(values[list(steps).index(step)])
+
+
+@pytest.mark.parametrize("where", ["before_unscale", "after_unscale", "after_step_update"])
+def test_monitor_sees_unscaled_gradients(where):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    mon = gt.Monitor(model, scaler=scaler)
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for s, x in enumerate(xs):
+        expected = _oracle(model, x)
+        scaler.scale(_loss(model, x)).backward()
+        if where == "before_unscale":
+            mon.step()
+        scaler.unscale_(opt)
+        if where == "after_unscale":
+            mon.step()
+        scaler.step(opt)
+        scaler.update()
+        if where == "after_step_update":
+            mon.step()
+        opt.zero_grad()
+        for name, g in expected.items():
+            for stat, want in _stats(g).items():
+                assert _value(mon, s, name, stat) == pytest.approx(want, rel=1e-5, abs=1e-12), (
+                    name, stat)
+        assert _value(mon, s, "<scaler>", "amp_scale") == SCALE
+        assert _value(mon, s, "<scaler>", "nonfinite") == 0
+    mon.close()
+
+
+def test_monitor_without_scaler_would_see_scaled_gradients():
+    # The test above can fail: the raw .grad after a scaled backward is scale times the oracle.
+    model = _model()
+    x = torch.randn(8, 6)
+    expected = _oracle(model, x)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with gt.Monitor(model) as mon:
+        scaler.scale(_loss(model, x)).backward()
+        mon.step()
+    got = _value(mon, 0, "0.weight", "norm")
+    assert got == pytest.approx(SCALE * float(expected["0.weight"].norm()), rel=1e-5)
+
+
+def test_ewma_of_unscaled_gradients():
+    beta = 0.8
+    model = _model(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    mon = gt.Monitor(model, scaler=scaler, ewma=beta)
+    m = v = None
+    for i in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 + i))
+        g = _oracle(model, x)["2.weight"]
+        if m is None:
+            m, v = g.clone(), torch.zeros_like(g)
+        else:
+            d = g - m
+            m = m + (1 - beta) * d
+            v = beta * (v + (1 - beta) * d * d)
+        scaler.scale(_loss(model, x)).backward()
+        if i % 2:
+            mon.step()
+            scaler.step(opt)
+        else:
+            scaler.step(opt)
+            mon.step()
+        scaler.update()
+        opt.zero_grad()
+    torch.testing.assert_close(mon.ewma_mean("2.weight").double(), m, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(mon.ewma_var("2.weight").double(), v, rtol=1e-4, atol=1e-12)
+    mon.close()
+
+
+@pytest.mark.parametrize("where", ["before_step", "after_step"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_fused_optimizer(where, overflow):
+    # A fused optimizer takes the scale itself: its step starts with scaled gradients and
+    # writes the unscaled ones back, unless the scaler found an inf and it skipped the step.
+    model = _model(2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    seen = {}
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.update(pre=float(model[2].weight.grad.double().norm())))
+    mon = gt.Monitor(model, scaler=scaler)
+    x = torch.randn(8, 6)
+    expected = _oracle(model, x)
+    scaler.scale(_loss(model, x)).backward()
+    if overflow:
+        model[0].weight.grad[1, 1] = math.inf
+    if where == "before_step":
+        mon.step()
+    scaler.step(opt)
+    after = float(model[2].weight.grad.double().norm())
+    scaler.update()
+    if where == "after_step":
+        mon.step()
+    true = float(expected["2.weight"].norm())
+    assert seen["pre"] == pytest.approx(SCALE * true, rel=1e-5)
+    assert after == pytest.approx(SCALE * true if overflow else true, rel=1e-5)
+    for name, g in expected.items():
+        if overflow and name == "0.weight":
+            continue
+        assert _value(mon, 0, name, "norm") == pytest.approx(float(g.norm()), rel=1e-5), name
+    assert _value(mon, 0, "<scaler>", "nonfinite") == (1 if overflow else 0)
+    mon.close()
+
+
+def test_overflow_step_is_stored_with_its_scale():
+    model = _model(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    mon = gt.Monitor(model, scaler=scaler)
+    for s in range(2):
+        x = torch.randn(8, 6)
+        scaler.scale(_loss(model, x)).backward()
+        if s == 0:
+            model[0].weight.grad[0, 0] = math.inf  # an fp16-style overflow
+        before = model[0].weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        mon.step()
+        opt.zero_grad()
+        if s == 0:
+            assert torch.equal(model[0].weight.detach(), before)  # the scaler skipped the step
+    assert _value(mon, 0, "0.weight", "nonfinite") > 0
+    assert _value(mon, 0, "<scaler>", "nonfinite") == 1
+    assert _value(mon, 0, "<scaler>", "amp_scale") == SCALE
+    # the skipped step backed the scale off; the next step is clean at the new scale
+    assert scaler.get_scale() == SCALE / 2
+    assert _value(mon, 1, "<scaler>", "amp_scale") == SCALE / 2
+    assert _value(mon, 1, "<scaler>", "nonfinite") == 0
+    assert _value(mon, 1, "0.weight", "nonfinite") == 0
+    mon.close()
+
+
+def test_overflow_counted_before_the_scaler_checks():
+    model = _model(4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with gt.Monitor(model, scaler=scaler) as mon:
+        scaler.scale(_loss(model, torch.randn(8, 6))).backward()
+        model[2].bias.grad[:2] = math.nan
+        mon.step()
+    assert _value(mon, 0, "<scaler>", "nonfinite") == 2
+    assert _value(mon, 0, "2.bias", "nonfinite") == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_gradients_accumulate_in_float32(dtype):
+    # sum of squares of 4096 values of 300 is 3.7e8: past float16's range, and far from
+    # exact in bfloat16; the norm itself (19200) is representable in both.
+    model = nn.Linear(64, 64, bias=False).to(dtype)
+    g = torch.full((64, 64), 300.0)
+    g[::2] = -300.0
+    g[0, :8] = 1.0
+    model.weight.grad = g.to(dtype)
+    with gt.Monitor(model, stats=("norm", "mean", "std", "absmax")) as mon:
+        mon.step()
+    ref = model.weight.grad.double()
+    for stat, want in _stats(ref).items():
+        assert _value(mon, 0, "weight", stat) == pytest.approx(want, rel=1e-6, abs=1e-9), stat
+
+
+def test_scaler_watch_is_removed_with_the_last_consumer():
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    a = gt.Monitor(model, scaler=scaler)
+    b = gt.Monitor(model, scaler=scaler)
+    assert "scale" in vars(scaler)
+    a.close()
+    assert "scale" in vars(scaler)
+    b.close()
+    assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
+
+
+def test_scaler_must_be_a_grad_scaler():
+    with pytest.raises(TypeError, match="Monitor: scaler= must be a torch.amp.GradScaler"):
+        gt.Monitor(_model(), scaler=1024.0)
