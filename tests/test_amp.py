@@ -222,3 +222,78 @@ def test_scaler_watch_is_removed_with_the_last_consumer():
 def test_scaler_must_be_a_grad_scaler():
     with pytest.raises(TypeError, match="Monitor: scaler= must be a torch.amp.GradScaler"):
         gt.Monitor(_model(), scaler=1024.0)
+
+
+def _clipped(g: torch.Tensor, max_norm: float) -> torch.Tensor:
+    return g * min(1.0, max_norm / float(g.norm()))
+
+
+@pytest.mark.parametrize("when,fused", [("accumulate", False), ("backward", False),
+                                        ("step", False), ("step", True), ("accumulate", True)])
+def test_transform_clip_norm_sees_unscaled_norms(when, fused):
+    max_norm = 0.02
+    model = _model(5)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.05))
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    handle = gt.transform(model, {"*": gt.clip_norm(max_norm)}, when=when,
+                          optimizer=opt if when == "step" else None, scaler=scaler)
+    received = {}
+
+    def seen(o, a, k):  # what the optimizer's step gets, unscaled by the oracle's own reading
+        factor = SCALE if fused else 1.0
+        received.update({n: p.grad.double() / factor for n, p in model.named_parameters()})
+
+    hook = opt.register_step_pre_hook(seen)
+    for _ in range(2):
+        x = torch.randn(8, 6)
+        expected = {n: _clipped(g, max_norm) for n, g in _oracle(model, x).items()}
+        assert any(float(g.norm()) > max_norm for g in _oracle(model, x).values())
+        scaler.scale(_loss(model, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        for n, g in expected.items():
+            torch.testing.assert_close(received[n], g, rtol=1e-4, atol=1e-9)
+    hook.remove()
+    handle.remove()
+    assert not set(vars(scaler)) & {"scale", "unscale_", "step", "update"}
+
+
+def test_transform_clip_global_norm_with_scaler():
+    max_norm = 0.05
+    model = _model(6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    x = torch.randn(8, 6)
+    oracle = _oracle(model, x)
+    total = math.sqrt(sum(float(g.norm()) ** 2 for g in oracle.values()))
+    assert total > max_norm
+    with gt.transform(model, {"*": gt.clip_global_norm(max_norm)}, scaler=scaler):
+        scaler.scale(_loss(model, x)).backward()
+        scaler.unscale_(opt)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), oracle[n] * (max_norm / total),
+                                   rtol=1e-5, atol=1e-10)
+
+
+def test_transform_activation_gradients_with_scaler():
+    # on="grad_output": gt.clip_norm on the output of layer 2 sees dL/dy, not scale * dL/dy.
+    max_norm = 1e-3
+    model = _model(7)
+    x = torch.randn(8, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model[1](model[0](x))
+        y = model[2](hidden)
+    loss = y.float().pow(2).mean()
+    g_y, = torch.autograd.grad(loss, y, retain_graph=True)
+    want, = torch.autograd.grad(y, hidden, _clipped(g_y.float(), max_norm).to(y.dtype))
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with gt.transform(model, {"2": gt.clip_norm(max_norm)}, on="grad_output", scaler=scaler):
+        with gt.tap(model, "1") as t:
+            scaler.scale(_loss(model, x)).backward()
+        got = t.records[0].grad_outputs["output"] / SCALE
+    # bfloat16 rounding of the clipped gradient: compare to 1% of its size (without the
+    # scaler the clip would act on scale * dL/dy and give 1/scale of this)
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err < 1e-2
