@@ -297,3 +297,113 @@ def test_transform_activation_gradients_with_scaler():
     # scaler the clip would act on scale * dL/dy and give 1/scale of this)
     err = float((got.double() - want.double()).norm() / want.double().norm())
     assert err < 1e-2
+
+
+class _Half(nn.Module):
+    """A float16 island in a float32 model: its gradient overflows at a large scale."""
+
+    def forward(self, x):
+        return x.half().float()
+
+
+def _overflow_model() -> nn.Module:
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), _Half(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[3].weight.fill_(0.2)  # dL/dh = 8 * 0.2 = 1.6 (the loss below is 8 * sum)
+    return model
+
+
+@pytest.mark.parametrize("replay", [None, False])
+def test_detect_records_an_overflow_and_never_raises(replay):
+    # At scale 2**16 the float16 gradient 1.6 * 65536 overflows (max 65504); the scaler skips
+    # the step and halves the scale, and at 2**15 the next step is finite.
+    model = _overflow_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    det = gt.detect(model, scaler=scaler, replay=replay, action="raise",
+                    spike=None if replay is None else 1e6)
+    mon = gt.Monitor(model, scaler=scaler)
+    steps_taken = []
+    opt.register_step_post_hook(lambda o, a, k: steps_taken.append(det.steps_done))
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        loss = 8 * model(x).sum()
+        scaler.scale(loss).backward()  # never raises
+        assert not det.should_skip()
+        scaler.step(opt)
+        scaler.update()
+        det.step()
+        mon.step()
+        opt.zero_grad()
+    assert steps_taken == [1]  # step 0 skipped by the scaler
+    assert [a.kind for a in det.anomalies] == ["overflow"]
+    a = det.anomalies[0]
+    assert a.step == 0 and a.where != "forward" and a.inf
+    assert a.module_name == "2"  # the float16 island, named as an Inf origin would be
+    assert "overflow" in a.message and "scale 65536" in a.message
+    assert _value(mon, 0, "<scaler>", "nonfinite") == 1
+    assert _value(mon, 0, "<scaler>", "amp_scale") == 2.0 ** 16
+    assert _value(mon, 1, "<scaler>", "amp_scale") == 2.0 ** 15
+    det.remove()
+    mon.close()
+
+
+def test_detect_without_scaler_raises_on_the_same_step():
+    # The test above can fail: without scaler= the same overflow is an Inf that raises.
+    model = _overflow_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with gt.detect(model, action="raise") as det, pytest.raises(gt.GradientAnomaly):
+        scaler.scale(8 * model(torch.randn(4, 6)).sum()).backward()
+    assert det.anomalies[0].kind == "inf"
+
+
+def test_detect_forward_nan_still_raises_under_a_scaler():
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with torch.no_grad():
+        model[0].bias[0] = math.nan
+    with gt.detect(model, scaler=scaler) as det, pytest.raises(gt.GradientAnomaly):
+        scaler.scale(_loss(model, torch.randn(8, 6))).backward()
+    assert det.anomalies[0].kind == "nan" and det.anomalies[0].where == "forward"
+
+
+def test_detect_spikes_on_unscaled_norms():
+    # The scale grows 2x every step (growth_interval=1): on scaled norms that is a spike of
+    # 2 each step; on unscaled ones the norms are those of a run without a scaler.
+    model = _model(9)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record",
+                    scaler=scaler)
+    x = torch.randn(8, 6)
+    for _ in range(6):
+        scaler.scale(_loss(model, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        det.step()
+        opt.zero_grad()
+    assert det.anomalies == []
+    assert scaler.get_scale() == SCALE * 2 ** 6
+    mean, _ = det.ewma("2", "param_grad")
+    g = _oracle(model, x)  # lr is small: the norm barely moves over the steps
+    direct = math.sqrt(float(g["2.weight"].norm()) ** 2 + float(g["2.bias"].norm()) ** 2)
+    assert mean == pytest.approx(direct, rel=0.05)
+    det.remove()
+
+
+def test_detect_without_scaler_sees_the_growing_scale_as_spikes():
+    # The test above can fail: without scaler= the doubling scale is a spike.
+    model = _model(9)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record")
+    x = torch.randn(8, 6)
+    for _ in range(6):
+        scaler.scale(_loss(model, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        det.step()
+        opt.zero_grad()
+    assert {a.kind for a in det.anomalies} == {"spike"}
+    det.remove()
