@@ -222,6 +222,26 @@ def test_scaler_watch_is_removed_with_the_last_consumer():
 def test_scaler_must_be_a_grad_scaler():
     with pytest.raises(TypeError, match="Monitor: scaler= must be a torch.amp.GradScaler"):
         gt.Monitor(_model(), scaler=1024.0)
+    with pytest.raises(TypeError, match="detect: scaler= must be a torch.amp.GradScaler"):
+        gt.detect(_model(), scaler="amp")
+    with pytest.raises(TypeError, match="transform: scaler= must be a torch.amp.GradScaler"):
+        gt.transform(_model(), {"*": gt.clip_norm(1.0)}, scaler=object())
+
+
+def test_disabled_scaler_changes_nothing():
+    model = _model(10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=False)
+    x = torch.randn(8, 6)
+    expected = _oracle(model, x)
+    with gt.Monitor(model, scaler=scaler) as mon:
+        scaler.scale(_loss(model, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        mon.step()
+    assert _value(mon, 0, "0.weight", "norm") == pytest.approx(float(expected["0.weight"].norm()),
+                                                                rel=1e-5)
+    assert _value(mon, 0, "<scaler>", "amp_scale") == 1
 
 
 def _clipped(g: torch.Tensor, max_norm: float) -> torch.Tensor:

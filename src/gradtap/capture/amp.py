@@ -70,12 +70,14 @@ class _Tracker:
     def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def scale(outputs: Any) -> Any:
             out = original(outputs)
+            if not self.scaler.is_enabled():  # a disabled scaler keeps no state
+                return out
             if self.updated or self.scale is None:
                 self.updated = False
                 self.unscaled = set()
                 self.found = {}
                 self.fused = {}
-            current = self.scaler._scale
+            current = getattr(self.scaler, "_scale", None)  # absent when disabled
             if current is not None:
                 self.scale = current.detach().reshape(()).clone()
             return out
@@ -85,6 +87,8 @@ class _Tracker:
     def _wrap_unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def unscale_(optimizer: torch.optim.Optimizer) -> None:
             original(optimizer)
+            if not self.scaler.is_enabled():
+                return
             self._note_found(optimizer)
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -95,6 +99,8 @@ class _Tracker:
     def _wrap_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             out = original(optimizer, *args, **kwargs)
+            if not self.scaler.is_enabled():
+                return out
             self._note_found(optimizer)
             found = self.found.get(id(optimizer))
             if (getattr(optimizer, "_step_supports_amp_scaling", False) and found is not None
@@ -112,6 +118,9 @@ class _Tracker:
 
     def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def update(new_scale: Any = None) -> None:
+            if not self.scaler.is_enabled():
+                original(new_scale)
+                return
             # update() sums the found_inf tensors in place: keep copies first.
             for key, state in self.scaler._per_optimizer_states.items():
                 found = list(state["found_inf_per_device"].values())
@@ -177,7 +186,7 @@ class ScalerWatch:
         t = self._tracker
         if t is not None and t.scale is not None:
             return t.scale
-        current = self.scaler._scale
+        current = getattr(self.scaler, "_scale", None)  # absent when disabled
         if current is None:  # scale() never ran: the scale it will use
             return torch.tensor(float(self.scaler._init_scale), dtype=torch.float32)
         return current.detach().reshape(()).clone()
