@@ -219,6 +219,22 @@ def test_scaler_watch_is_removed_with_the_last_consumer():
     assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
 
 
+def test_a_watched_scaler_still_pickles():
+    import pickle
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    with gt.Monitor(model, scaler=scaler):
+        scaler.scale(_loss(model, torch.randn(8, 6))).backward()
+        scaler.step(opt)
+        scaler.update()
+        copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.get_scale() == SCALE
+    scaler_copy_loss = copy.scale(_loss(model, torch.randn(8, 6)))
+    assert scaler_copy_loss.requires_grad
+
+
 def test_scaler_must_be_a_grad_scaler():
     with pytest.raises(TypeError, match="Monitor: scaler= must be a torch.amp.GradScaler"):
         gt.Monitor(_model(), scaler=1024.0)

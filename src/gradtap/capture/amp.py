@@ -56,7 +56,8 @@ class _Tracker:
             if name in vars(scaler):
                 self._saved[name] = vars(scaler)[name]
             original = getattr(scaler, name)
-            setattr(scaler, name, getattr(self, f"_wrap_{name.rstrip('_')}")(original))
+            wrapped = getattr(self, f"_wrap_{name.rstrip('_')}")(original)
+            setattr(scaler, name, _Wrapper(wrapped, scaler, name))
 
     def restore(self) -> None:
         for name in _METHODS:
@@ -135,6 +136,26 @@ class _Tracker:
         state = self.scaler._per_optimizer_states.get(id(optimizer))
         if state is not None and state["found_inf_per_device"]:
             self.found[id(optimizer)] = _total(list(state["found_inf_per_device"].values()))
+
+
+class _Wrapper:
+    """A scaler method as wrapped; pickled (with the scaler, e.g. by ``torch.save``) as the
+    scaler's own method, so a copy is a plain scaler."""
+
+    __slots__ = ("fn", "scaler", "name")
+
+    def __init__(self, fn: Callable[..., Any], scaler: torch.amp.GradScaler, name: str) -> None:
+        self.fn, self.scaler, self.name = fn, scaler, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _own_method, (self.scaler, self.name)
+
+
+def _own_method(scaler: torch.amp.GradScaler, name: str) -> Any:
+    return getattr(type(scaler), name).__get__(scaler)
 
 
 def _total(found: list[Tensor]) -> Tensor:
