@@ -18,7 +18,7 @@ from gradtap.record import GradRecord
 
 __all__ = ["LOSS", "Anomaly", "AnomalyWarning", "Kind", "TensorStat", "Where"]
 
-Kind = Literal["nan", "inf", "spike"]
+Kind = Literal["nan", "inf", "spike", "overflow"]
 Where = Literal["forward", "grad_output", "grad_input", "param_grad"]
 
 #: ``module_name`` of an anomaly in the loss.
@@ -38,7 +38,10 @@ class Anomaly:
     Attributes:
         module_name: qualified name of the module where it originated (``""`` is the model
             itself), or ``"<loss>"`` for a non-finite loss or loss gradient.
-        kind: ``"nan"`` (the slot holds a NaN), ``"inf"`` (an Inf and no NaN) or ``"spike"``.
+        kind: ``"nan"`` (the slot holds a NaN), ``"inf"`` (an Inf and no NaN), ``"spike"``,
+            or ``"overflow"``: under ``scaler=``, a NaN/Inf in the gradients, which the grad
+            scaler finds and answers by skipping the optimizer step and lowering its scale
+            (recorded, never raised; ``nan``/``inf`` say which it was).
         where: ``"forward"``, ``"grad_output"``, ``"grad_input"`` or ``"param_grad"``.
         step: the step it was found in (steps count from 0, advanced by ``det.step()``).
         record: the :class:`~gradtap.GradRecord` of the module call, when its backward ran

@@ -11,11 +11,13 @@ together: the step number, the anomalies and how they are emitted (raised, warne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
@@ -26,6 +28,7 @@ from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._types import Selector
+from gradtap.capture import HookSet, ScalerWatch, check_scaler
 from gradtap.errors import GradientAnomaly
 from gradtap.select import select_modules
 
@@ -57,9 +60,11 @@ class Detector:
         replay: bool | None = None,
         screen: ScreenLiteral | None = None,
         options: WatchOptions | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
+        check_scaler(scaler, "detect")
         if action not in _ACTIONS:
             raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
                              f"got {action!r}")
@@ -109,6 +114,11 @@ class Detector:
         self._found: list[Found] = []  # made from the screen's evidence, not yet emitted
         self._ready: list[Found] = []  # found by a replay, not yet emitted
         self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
+        self._hooks = HookSet()
+        self._amp: ScalerWatch | None = None
+        if scaler is not None:
+            self._amp = self._hooks.grad_scaler(scaler)
+            self._spikes.scale_of = self._scale
         self._screen: Screen | None = None
         self._watch: CallWatch | None = None
         if replays:
@@ -222,6 +232,7 @@ class Detector:
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
+        self._hooks.remove()
         if self._watch is not None:
             self._watch.remove()
         if self._screen is not None:
@@ -309,11 +320,12 @@ class Detector:
             self._watch.found = []
         new = []
         for f in found:
-            anomaly = f.anomaly
+            anomaly = self._as_overflow(f.anomaly)
             if self.dump_dir is not None:
                 anomaly = write_dump(self.dump_dir, anomaly, len(self.anomalies), f.module, f.kept)
             self.anomalies.append(anomaly)
-            new.append(anomaly)
+            if anomaly.kind != "overflow":  # the scaler skips that step itself: recorded only
+                new.append(anomaly)
         if not new:
             return
         self._skip = True
@@ -322,6 +334,25 @@ class Detector:
         if self.action == "warn":
             for a in new:
                 warnings.warn(a.message, AnomalyWarning, stacklevel=3)
+
+
+    def _scale(self) -> float:
+        """The grad scaler's scale of this step (1.0 when it is disabled)."""
+        assert self._amp is not None
+        scale = self._amp.step_scale()
+        return 1.0 if scale is None else float(scale)
+
+    def _as_overflow(self, anomaly: Anomaly) -> Anomaly:
+        """Under a grad scaler, a NaN/Inf in the gradients is an overflow: the scaler finds it,
+        skips the optimizer step and lowers the scale."""
+        if (self._amp is None or not self._amp.enabled or anomaly.where == "forward"
+                or anomaly.kind not in ("nan", "inf")):
+            return anomaly
+        message = (f"gradient overflow at step {anomaly.step} under the grad scaler (scale "
+                   f"{self._scale():g}): the scaler skips this optimizer step and lowers its "
+                   f"scale; where the {'NaN' if anomaly.kind == 'nan' else 'Inf'} "
+                   f"first appeared:\n{anomaly.message}")
+        return dataclasses.replace(anomaly, kind="overflow", message=message)
 
 
 def detect(
@@ -336,6 +367,7 @@ def detect(
     spike_beta: float = 0.9,
     replay: bool | None = None,
     screen: ScreenLiteral | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Detector:
     """Find where gradients break: the module where a NaN/Inf first appears, and spikes.
 
@@ -401,6 +433,13 @@ def detect(
             ``True``: replay (not with ``spike``).
         screen: what the replay watch screens each step: ``"model"`` (the default) or
             ``"modules"`` (every selected call too); only with the replay watch.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Spike norms and their
+            EWMAs are then those of the unscaled gradients (``g / scale``), and a NaN/Inf in
+            the gradients (not in the forward or the loss value) is an anomaly of kind
+            ``"overflow"``: the scaler finds it, skips the optimizer step and lowers its
+            scale, so it is recorded in :attr:`anomalies` (its origin named as for an Inf)
+            but never raised or warned, and ``should_skip()`` stays false (call
+            ``scaler.step`` as usual: it skips the step and ``scaler.update()`` needs it).
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
@@ -424,4 +463,4 @@ def detect(
         ('0', 'nan', 'forward', 'bias', True)
     """
     return Detector(model, select, nonfinite, spike, warmup, action, dump_dir,
-                    spike_beta=spike_beta, replay=replay, screen=screen)
+                    spike_beta=spike_beta, replay=replay, screen=screen, scaler=scaler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,10 +23,16 @@ class SpikeTracker:
     ``kind`` is ``"grad_output"`` (the module's output-gradient norm) or ``"param_grad"`` (its
     direct parameters' gradient norm). Spiking, NaN and Inf values never feed the EWMA; a norm
     is checked once its EWMA has ``warmup`` steps.
+
+    With :attr:`scale_of` (the grad scaler's scale of the step, under mixed precision) the
+    norms measured in backward are divided by it: spikes and EWMAs are those of the
+    unscaled gradients.
     """
 
     def __init__(self, spike: float | None, warmup: int, beta: float) -> None:
         self.spike, self.warmup, self.beta = spike, warmup, beta
+        self.scale_of: Callable[[], float] | None = None
+        self._inv2: float | None = None  # 1 / scale**2 of this step, read once
         self._totals: dict[tuple[str, str], float] = {}
         self._flagged: set[tuple[str, str]] = set()
         self._index: dict[tuple[str, str], int] = {}
@@ -50,7 +57,7 @@ class SpikeTracker:
             if not idx:
                 continue
             key = (plan.name, kind)
-            add = sum(back.norms[j] ** 2 for j in idx)
+            add = sum(back.norms[j] ** 2 for j in idx) * self._unscale2()
             back.partial[key] = back.partial.get(key, 0.0) + add
             j = self._index.get(key)
             if j is None or self._count[j] < max(self.warmup, 1):
@@ -63,7 +70,7 @@ class SpikeTracker:
               selected: set[str]) -> tuple[int, list[Spike]] | None:
         """Add a backward's norms to the step's; return the first spiking module (innermost,
         in backward order) as ``(plan index, its spikes, grad_output first)``, or None."""
-        sq = (np.where(finite, norms, 0.0) ** 2).tolist()
+        sq = (np.where(finite, norms, 0.0) ** 2 * self._unscale2()).tolist()
         fin = finite.tolist()
         totals, flagged = self._totals, self._flagged
         touched: list[tuple[int, str, str]] = []
@@ -106,6 +113,13 @@ class SpikeTracker:
         kinds.sort(key=lambda s: s[2] != "grad_output")
         return first[0], kinds
 
+    def _unscale2(self) -> float:
+        if self.scale_of is None:
+            return 1.0
+        if self._inv2 is None:
+            self._inv2 = 1.0 / self.scale_of() ** 2
+        return self._inv2
+
     def mean(self, name: str, kind: str) -> float:
         """The EWMA mean of a norm that has one."""
         return float(self._mean[self._index[(name, kind)]])
@@ -117,6 +131,7 @@ class SpikeTracker:
         finally:
             self._totals = {}
             self._flagged = set()
+            self._inv2 = None
 
     def _update(self) -> None:
         if self.spike is None or not self._totals:

@@ -26,7 +26,7 @@ from gradtap._monitor.meta import run_meta
 from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
-from gradtap.capture import HookSet, tap
+from gradtap.capture import HookSet, ScalerWatch, check_scaler, tap
 from gradtap.record import GradRecord
 from gradtap.select import select_parameters
 from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
@@ -39,6 +39,8 @@ __all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
 KINDS = KIND_NAMES
 DEFAULT_STATS = ("norm", "mean", "std", "absmax", "nonfinite")
 _PARAM_KINDS = ("param_grad", "param", "update", "grad_cosine")
+#: The name under which the grad scaler's statistics of a step are stored.
+SCALER_NAME = "<scaler>"
 
 
 class Monitor:
@@ -85,6 +87,14 @@ class Monitor:
         local_grads: under DDP, watch rank-local parameter gradients (see above).
         overwrite: replace an existing store at ``store``.
         meta: extra JSON-serialisable metadata for the run (checked when a store is written).
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Every statistic,
+            histogram, EWMA and snapshot then sees the unscaled gradient ``g / scale``, whether
+            ``step()`` runs before or after ``scaler.unscale_(opt)`` / ``scaler.step(opt)``
+            (fused optimizers, which keep their gradients scaled, included); and each step
+            stores, on name ``"<scaler>"``, stat ``amp_scale`` (the step's scale) and
+            ``nonfinite`` (1 when the scaler found an inf/NaN and skipped the optimizer step;
+            before the scaler checked, the count of non-finite elements of the selected
+            gradients).
 
     Raises:
         SelectionError: ``select`` matches nothing.
@@ -123,9 +133,11 @@ class Monitor:
         local_grads: bool = False,
         overwrite: bool = False,
         meta: dict[str, Any] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
+        check_scaler(scaler, "Monitor")
         self.stats = ops.check_stats(stats)
         self.kinds = _check_kinds(kinds)
         if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
@@ -163,6 +175,7 @@ class Monitor:
         self._series = SeriesTable()
 
         self._hooks = HookSet()
+        self._amp: ScalerWatch | None = None if scaler is None else self._hooks.grad_scaler(scaler)
         self._tap = None
         self._writer: RunWriter | None = None
         self._store_path = None if store is None else os.fspath(store)
@@ -178,7 +191,8 @@ class Monitor:
                 model, select=select, config={
                     "stats": list(self.stats), "kinds": list(self.kinds), "ewma": self.ewma_beta,
                     "every": self.every, "local_grads": self.local_grads,
-                    "hist_bins": None if edges is None else edges.numel() - 1},
+                    "hist_bins": None if edges is None else edges.numel() - 1,
+                    "scaler": scaler is not None},
                 parameters=[n for n, _ in self._params],
                 modules=self._tap.names if self._tap is not None else [],
                 world_size=self.world_size, edges=None if edges is None else edges.tolist(),
@@ -302,10 +316,12 @@ class Monitor:
         if not self._active:
             return
         keys, tensors = [], []
+        scale = None if self._amp is None else self._amp.step_scale()
         for path, g in rec.grad_outputs.items():
             if g is not None and g.numel() and g.is_floating_point():
                 keys.append(f"{rec.module_name}:{path}")
-                tensors.append(g)
+                # Activation gradients are always those of the scaled loss.
+                tensors.append(g if scale is None else _unscaled(g, scale))
         if tensors:
             self._pending.append(self._reducer.part(keys, tensors))
 
@@ -313,7 +329,9 @@ class Monitor:
         def hook(p: Tensor) -> None:
             # DDP copies the reduced gradient back into p.grad later: keep this rank's own.
             if self._active and p.grad is not None:
-                self._local[name] = p.grad.detach().clone()
+                scale = None if self._amp is None else self._amp.step_scale()
+                g = p.grad.detach()
+                self._local[name] = g.clone() if scale is None else _unscaled(g, scale)
 
         return hook
 
@@ -328,6 +346,10 @@ class Monitor:
             g = p.grad
             if g is not None and g.numel():
                 grads[n] = g
+        amp = None
+        if self._amp is not None:
+            grads = self._unscale(grads)
+            amp = self._queue_amp(grads, copy)
         if "param_grad" in self.kinds:
             if self.local_grads:
                 names = [n for n, p in self._params if p.requires_grad]
@@ -367,9 +389,38 @@ class Monitor:
                 rows.add_hists(job.kind, names, fields.hist)
         if cosine is not None:
             rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
+        if amp is not None:
+            rows.add("param_grad", [SCALER_NAME], {"amp_scale": copy.get(amp[0]).reshape(1),
+                                                   "nonfinite": copy.get(amp[1]).reshape(1)})
         self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _unscale(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Each gradient divided by the factor the grad scaler left on it (if any)."""
+        assert self._amp is not None
+        params = dict(self._params)
+        out = {}
+        for n, g in grads.items():
+            factor = self._amp.factor(params[n])
+            out[n] = g if factor is None else _unscaled(g, factor)
+        return out
+
+    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy) -> tuple[int, int]:
+        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``."""
+        assert self._amp is not None
+        scale = self._amp.step_scale()
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32)
+        found = self._amp.found_inf()
+        if found is None:
+            # The scaler has not checked yet: count what it will find.
+            found = torch.zeros((), dtype=torch.float32, device=scale.device)
+            for g in grads.values():
+                found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
+        else:
+            found = (found > 0).to(torch.float32)
+        return copy.add(scale.to(torch.float64)), copy.add(found.to(torch.float64))
 
     def _history(self) -> Run | MemoryRun:
         """The one view every query reads: the store's ``Run``, or the run in memory."""
@@ -388,6 +439,12 @@ class Monitor:
         if self._tap is not None:
             self._tap.remove()
         self._hooks.remove()
+
+
+def _unscaled(g: Tensor, scale: Tensor) -> Tensor:
+    """``g / scale``, computed (and kept) in float32 at least, without a host sync."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    return g.to(acc) / scale.to(g.device, acc)
 
 
 def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from gradtap._transform.base import is_group_only
 from gradtap._transform.plan import Plan, Rule
 from gradtap._transform.state import Entry, StateTable
 from gradtap._transform.update import apply_group, apply_one
-from gradtap.capture import HookSet, Listener, Tap, tap
+from gradtap.capture import HookSet, Listener, ScalerWatch, Tap, tap
 
 __all__ = ["install"]
 
@@ -38,20 +38,28 @@ def install(
     states: StateTable,
     hooks: HookSet,
     optimizer: torch.optim.Optimizer | None,
+    amp: ScalerWatch | None = None,
 ) -> Tap | None:
-    """Subscribe what ``plan`` needs to ``hooks`` (and a tap, returned); apply into ``states``."""
+    """Subscribe what ``plan`` needs to ``hooks`` (and a tap, returned); apply into ``states``.
+
+    With ``amp`` (a grad scaler's watch) every transform sees the unscaled gradient."""
     if plan.on != "param_grad":
-        return _install_activations(model, plan, states)
+        return _install_activations(model, plan, states, amp)
     targets: _Group = [(states.entries[name], t.param) for name, t in plan.params.items()]
     if plan.when == "accumulate":
-        _install_accumulate(targets, hooks)
+        _install_accumulate(targets, hooks, amp)
         return None
     if plan.when == "step":
         # make_plan refuses when="step" without an optimizer.
         assert optimizer is not None
-        _install_step(targets, hooks, optimizer)
+        _install_step(targets, hooks, optimizer, amp)
         return None
-    return _install_backward(model, targets, hooks)
+    return _install_backward(model, targets, hooks, amp)
+
+
+def _step_scale(amp: ScalerWatch | None) -> Tensor | None:
+    """The scale on gradients computed in a backward (what a scaled loss gives them)."""
+    return None if amp is None else amp.step_scale()
 
 
 def _by_rule(targets: _Group) -> list[_Group]:
@@ -61,7 +69,8 @@ def _by_rule(targets: _Group) -> list[_Group]:
     return list(groups.values())
 
 
-def _install_accumulate(targets: _Group, hooks: HookSet) -> None:
+def _install_accumulate(targets: _Group, hooks: HookSet, amp: ScalerWatch | None) -> None:
+    factor_of = None if amp is None else amp.factor
     whole: _Group = []
     for entry, param in targets:
         if is_group_only(entry.transform):
@@ -71,7 +80,7 @@ def _install_accumulate(targets: _Group, hooks: HookSet) -> None:
         def on_accumulated(p: Tensor, _entry: Entry = entry) -> None:
             g = p.grad
             if g is not None:
-                p.grad = apply_one(_entry, g, p)
+                p.grad = apply_one(_entry, g, p, None if amp is None else amp.factor(p))
 
         hooks.post_accumulate_grad(param, on_accumulated)
     if whole:
@@ -82,17 +91,21 @@ def _install_accumulate(targets: _Group, hooks: HookSet) -> None:
 
         def after_backward(reached: list[int]) -> None:
             for i in reached:
-                apply_group(groups[i])
+                apply_group(groups[i], factor_of)
 
         hooks.after_accumulation([[p for _, p in group] for group in groups], after_backward)
 
 
-def _install_step(targets: _Group, hooks: HookSet, optimizer: torch.optim.Optimizer) -> None:
+def _install_step(targets: _Group, hooks: HookSet, optimizer: torch.optim.Optimizer,
+                  amp: ScalerWatch | None) -> None:
     groups = _by_rule(targets)
+    factor_of = None if amp is None else amp.factor
 
     def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Unfused: scaler.step unscaled the gradients first (and skips the step on an
+        # overflow); fused: they are still scaled here.
         for group in groups:
-            apply_group(group)
+            apply_group(group, factor_of)
 
     hooks.optimizer_step_pre(optimizer, before_step)
 
@@ -112,8 +125,9 @@ class _Owned:
 class _Contributions(Listener):
     """when="backward": each call's contribution to a parameter, before accumulation."""
 
-    def __init__(self, direct: dict[tuple[str, str], _Owned]) -> None:
+    def __init__(self, direct: dict[tuple[str, str], _Owned], amp: ScalerWatch | None) -> None:
         self._direct = direct
+        self._amp = amp
 
     def rewrite_param_grad(self, name: str, call: int, param: str, grad: Tensor) -> Tensor | None:
         # A module's record covers parameters of its children too: only the direct owner
@@ -122,10 +136,11 @@ class _Contributions(Listener):
         if owned is None:
             return None
         owned.hits += 1
-        return apply_one(owned.entry, grad, owned.param)
+        return apply_one(owned.entry, grad, owned.param, _step_scale(self._amp))
 
 
-def _install_backward(model: nn.Module, targets: _Group, hooks: HookSet) -> Tap:
+def _install_backward(model: nn.Module, targets: _Group, hooks: HookSet,
+                      amp: ScalerWatch | None) -> Tap:
     # Keyed by identity, so a parameter shared by two modules (tied weights) is transformed
     # in the calls of each module that owns it directly.
     by_id = {id(param): _Owned(entry, param) for entry, param in targets}
@@ -139,7 +154,7 @@ def _install_backward(model: nn.Module, targets: _Group, hooks: HookSet) -> Tap:
     # A predicate, not globs: module names may hold glob characters (ModuleDict keys).
     owner_set = {m for m, _ in direct}
     made = tap(model, select=lambda name, _m: name in owner_set, store=False,
-               listener=_Contributions(direct))
+               listener=_Contributions(direct, amp))
 
     for owned in by_id.values():
 
@@ -165,12 +180,13 @@ def _install_backward(model: nn.Module, targets: _Group, hooks: HookSet) -> Tap:
 class _SlotGrads(Listener):
     """Activation gradients, per ``"<module>:<path>"`` slot; subclasses pick the side."""
 
-    def __init__(self, states: StateTable) -> None:
+    def __init__(self, states: StateTable, amp: ScalerWatch | None) -> None:
         self._states = states
+        self._amp = amp
 
     def _rewrite(self, name: str, path: str, grad: Tensor) -> Tensor | None:
         entry = self._states.slot(name, path, grad)
-        return None if entry is None else apply_one(entry, grad, None)
+        return None if entry is None else apply_one(entry, grad, None, _step_scale(self._amp))
 
 
 class _GradOutputs(_SlotGrads):
@@ -187,7 +203,8 @@ class _GradInputs(_SlotGrads):
         return self._rewrite(name, key, grad)
 
 
-def _install_activations(model: nn.Module, plan: Plan, states: StateTable) -> Tap:
+def _install_activations(model: nn.Module, plan: Plan, states: StateTable,
+                         amp: ScalerWatch | None) -> Tap:
     modules = plan.modules
-    listener = (_GradOutputs if plan.on == "grad_output" else _GradInputs)(states)
+    listener = (_GradOutputs if plan.on == "grad_output" else _GradInputs)(states, amp)
     return tap(model, select=lambda name, _m: name in modules, store=False, listener=listener)

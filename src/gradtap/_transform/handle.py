@@ -20,7 +20,7 @@ from gradtap._transform.apply import install
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap
+from gradtap.capture import HookSet, Tap, check_scaler
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -51,7 +51,9 @@ class TransformHandle:
         when: WhenLiteral | None,
         on: OnLiteral,
         optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        check_scaler(scaler, "transform")
         self._plan = make_plan(model, rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
@@ -60,7 +62,8 @@ class TransformHandle:
         self._removed = False
         try:
             self._states = StateTable(self._plan)
-            self._tap = install(model, self._plan, self._states, self._hooks, optimizer)
+            amp = None if scaler is None else self._hooks.grad_scaler(scaler)
+            self._tap = install(model, self._plan, self._states, self._hooks, optimizer, amp)
         except BaseException:
             self.remove()
             raise
@@ -117,6 +120,8 @@ def transform(
     when: WhenLiteral | None = None,
     on: OnLiteral = "param_grad",
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TransformHandle:
     """Apply stateful gradient transforms to selected parameters or module gradients.
 
@@ -162,6 +167,14 @@ def transform(
             parameters, ``"backward"`` for activation gradients.
         on: ``"param_grad"`` (default), ``"grad_output"`` or ``"grad_input"``.
         optimizer: the optimizer whose ``step()`` triggers ``when="step"``.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: every transform then
+            sees the unscaled gradient ``g / scale`` (its result is scaled back, so the
+            scaler's unscale gives the transform of the true gradient), whether it runs
+            before or after ``scaler.unscale_`` (``when="step"`` under ``scaler.step``:
+            after it for plain optimizers, before for fused ones, which keep the gradient
+            scaled until they step). A step the scaler skips for an inf/NaN never reaches
+            ``when="step"`` with a plain optimizer; the other moments run before the
+            scaler's check and see the inf like any gradient.
 
     Returns:
         A :class:`TransformHandle` (``plan()``, ``state_dict()``, ``load_state_dict()``,
@@ -185,5 +198,5 @@ def transform(
         >>> h.plan()
         {'0.weight': '0.weight', '0.bias': '*.bias', '1.bias': '*.bias'}
     """
-    return TransformHandle(model, rules, when, on, optimizer)
+    return TransformHandle(model, rules, when, on, optimizer, scaler)
 

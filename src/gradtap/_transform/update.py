@@ -9,7 +9,7 @@ gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -19,9 +19,17 @@ from gradtap._transform.state import Entry
 
 __all__ = ["apply_group", "apply_one"]
 
+#: The factor a grad scaler left on a parameter's gradient (``None``: none).
+FactorOf = Callable[[Tensor], "Tensor | None"]
 
-def apply_one(entry: Entry, grad: Tensor, param: Tensor | None) -> Tensor:
+
+def apply_one(entry: Entry, grad: Tensor, param: Tensor | None,
+              factor: Tensor | None = None) -> Tensor:
     """Return ``entry``'s transform of ``grad`` and keep its new state.
+
+    With ``factor`` (a 0-dim tensor: the grad scaler's scale still on ``grad``) the transform
+    sees ``grad / factor`` and its result is scaled back, so the scaler's later unscale gives
+    the transform of the true gradient.
 
     Example:
         >>> import torch, gradtap as gt
@@ -30,6 +38,10 @@ def apply_one(entry: Entry, grad: Tensor, param: Tensor | None) -> Tensor:
         >>> apply_one(entry, torch.ones(2), None)
         tensor([2., 2.])
     """
+    if factor is not None:
+        f = factor.to(grad.device)
+        new = apply_one(entry, (grad / f).to(grad.dtype), param)
+        return (new * f).to(grad.dtype)
     result = entry.transform.update(grad, entry.state, param)
     # Cheap metadata checks on the hot path; the message is built only on failure.
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -46,15 +58,23 @@ def apply_one(entry: Entry, grad: Tensor, param: Tensor | None) -> Tensor:
     return new
 
 
-def apply_group(targets: Sequence[tuple[Entry, Tensor]]) -> None:
+def apply_group(targets: Sequence[tuple[Entry, Tensor]], factor_of: FactorOf | None = None
+                ) -> None:
     """Transform the ``.grad`` of every parameter of one rule that has one, in place.
 
     ``targets`` are ``(entry, parameter)`` pairs of one rule, in plan order. A transform
-    with ``update_many`` gets them all at once; one without it runs per tensor.
+    with ``update_many`` gets them all at once; one without it runs per tensor. With
+    ``factor_of``, each gradient is divided by the factor a grad scaler left on it before
+    the transform and multiplied by it after (see :func:`apply_one`).
     """
     live = [(e, p, g) for e, p in targets if (g := p.grad) is not None]
     if not live:
         return
+    if factor_of is not None:
+        factors = [factor_of(p) for _, p, _ in live]
+        if any(f is not None for f in factors):
+            _apply_group_scaled(live, factors)
+            return
     first = live[0][0]
     update_many = first.transform.update_many
     if update_many is None:
@@ -76,6 +96,19 @@ def apply_group(targets: Sequence[tuple[Entry, Tensor]]) -> None:
         e.state = state
     for (_, p, _), new in zip(live, new_grads, strict=True):
         p.grad = new
+
+
+def _apply_group_scaled(live: list[tuple[Entry, Tensor, Tensor]],
+                        factors: list[Tensor | None]) -> None:
+    fs = [None if f is None else f.to(g.device) for (_, _, g), f in zip(live, factors)]
+    for (_, p, g), f in zip(live, fs):
+        if f is not None:
+            p.grad = (g / f).to(g.dtype)
+    apply_group([(e, p) for e, p, _ in live])
+    for (_, p, g), f in zip(live, fs):
+        new = p.grad
+        if f is not None and new is not None:
+            p.grad = (new * f).to(g.dtype)
 
 
 def _unpack(result: Any, label: str, where: str) -> tuple[Any, State]:

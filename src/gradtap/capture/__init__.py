@@ -14,6 +14,8 @@ they use these names:
   then is defined there), :func:`in_recomputation`;
 * :mod:`~gradtap.capture.saved`: :func:`graph_nodes` and :func:`saved_tensors`, to read
   forward tensors back from the graph for a report;
+* :class:`ScalerWatch` (``HookSet.grad_scaler``): the factor a ``GradScaler`` left on each
+  gradient of this step, and whether it found an inf/NaN (``amp.py``);
 * :func:`sequence_mark` and :func:`made_since`: whether a tensor was made after a point;
 * :func:`argument_tensors`: a call's tensor arguments named as the records name them;
   :func:`legacy_backward_grads` for ``explain(legacy=True)``.
@@ -21,6 +23,7 @@ they use these names:
 
 from __future__ import annotations
 
+from gradtap.capture.amp import ScalerWatch, check_scaler
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
 from gradtap.capture.graph import made_since, sequence_mark
 from gradtap.capture.hookset import HookSet
@@ -35,9 +38,11 @@ __all__ = [
     "HookSet",
     "Listener",
     "OncePerBackward",
+    "ScalerWatch",
     "Tap",
     "argument_tensors",
     "at_end_of_backward",
+    "check_scaler",
     "current_backward",
     "graph_nodes",
     "in_recomputation",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtap.capture.amp import ScalerWatch
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
 from gradtap.capture.replay import replay_running
 
@@ -159,6 +160,12 @@ class HookSet:
 
         node.register_prehook(prehook)
         return None
+
+    def grad_scaler(self, scaler: torch.amp.GradScaler) -> ScalerWatch:
+        """Follow ``scaler``'s calls (see :mod:`gradtap.capture.amp`) until :meth:`remove`."""
+        watch = ScalerWatch(scaler)
+        self._cleanups.append(watch.remove)
+        return watch
 
     def add(self, handle: RemovableHandle) -> None:
         """Adopt a handle registered elsewhere in capture."""
