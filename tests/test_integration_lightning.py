@@ -32,10 +32,14 @@ class Tiny(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        out = self.net(x)
-        if self.poison_step is not None and self.trainer.global_step == self.poison_step:
-            out = out * float("nan")
+        out = self(x)
         return (out - y).pow(2).mean()
+
+    def forward(self, x):
+        if self.poison_step is not None and self.trainer.global_step == self.poison_step:
+            # A NaN made in this module's own forward, between its children's calls.
+            return self.net[2](self.net[1](self.net[0](x) * float("nan")))
+        return self.net(x)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -125,6 +129,8 @@ def test_detect_skips_the_anomalous_step(tmp_path):
                    enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     t.fit(model, data())
     assert cb.skipped == [1]
+    # Named when training_step calls the module (the detector watches its calls).
+    assert [(a.module_name, a.where, a.step) for a in cb.anomalies[:1]] == [("", "forward", 1)]
     assert all(v is None for v in model.seen[1].values())  # the optimizer got no gradients
     assert all(v is not None for v in model.seen[2].values())
     df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")

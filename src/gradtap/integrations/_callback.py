@@ -18,6 +18,7 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._types import Selector
+from gradtap.store import DB_NAME
 
 __all__ = ["CallbackCore", "STATE_FILE", "unwrap"]
 
@@ -66,6 +67,8 @@ class CallbackCore:
         self.detector: Detector | None = None
         self.skipped: list[int] = []
         self._params: list[nn.Parameter] = []
+        self._last_step = -1
+        self._anomalies: list[Any] = []
         self._pending_state: dict[str, Any] | None = None
         # Checked now, not at the first training step: a bad option fails where it is written.
         Monitor(nn.Linear(1, 1), "*", self.stats, self.kinds, ewma, hist_bins, every).close()
@@ -83,7 +86,7 @@ class CallbackCore:
         model = unwrap(model)
         state, self._pending_state = self._pending_state, None
         path = Path(self.store) if self.store is not None else Path(default_dir)
-        if self.store is None and state is not None and (path / "run.sqlite").exists():
+        if self.store is None and state is not None and (path / DB_NAME).exists():
             path = path.with_name(f"{path.name}-{int(state['step'])}")
         self.monitor = Monitor(model, self.select, self.stats, self.kinds, self.ewma,
                                self.hist_bins, self.every, path, meta=meta)
@@ -96,11 +99,19 @@ class CallbackCore:
         return self.monitor
 
     def optimizer_step(self) -> bool:
-        """Close one Monitor step for the gradients about to be applied. Returns whether the
-        detector found an anomaly since the last step (the caller skips the update)."""
+        """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`."""
+        self.monitor_step()
+        return self.verdict()
+
+    def monitor_step(self) -> None:
+        """Close one Monitor step (the gradients of this optimizer step are complete)."""
         assert self.monitor is not None
-        step = self.monitor.steps_done
+        self._last_step = self.monitor.steps_done
         self.monitor.step()
+
+    def verdict(self) -> bool:
+        """Whether the detector found an anomaly since the last optimizer step, or the
+        gradients hold a NaN/Inf (the caller skips the update); closes the detector's step."""
         if self.detector is None:
             return False
         # The detector names an origin when it saw one; the gradients themselves decide too,
@@ -110,12 +121,13 @@ class CallbackCore:
             bool(grads) and not bool(torch.stack([g.isfinite().all() for g in grads]).all()))
         self.detector.step()
         if skip:
-            self.skipped.append(step)
+            self.skipped.append(self._last_step)
         return skip
 
     @property
     def anomalies(self) -> list[Any]:
-        return [] if self.detector is None else list(self.detector.anomalies)
+        live = [] if self.detector is None else list(self.detector.anomalies)
+        return self._anomalies + live
 
     def state_dict(self) -> dict[str, Any]:
         """The Monitor's state (or the one waiting for it), for the trainer's checkpoint."""
@@ -140,6 +152,7 @@ class CallbackCore:
         if self.monitor is not None:
             self._pending_state = self.monitor.state_dict()
         if self.detector is not None:
+            self._anomalies += self.detector.anomalies
             self.detector.remove()
             self.detector = None
         if self.monitor is not None:
