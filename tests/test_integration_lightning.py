@@ -15,11 +15,9 @@ pl = pytest.importorskip("lightning.pytorch")
 import gradtap as gt  # noqa: E402
 from gradtap.integrations.lightning import GradtapCallback  # noqa: E402
 
-# Lightning's own warnings about this tiny setup (and its use of a deprecated torch API).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-]
+# Lightning's own warnings about this tiny setup (few batches, no dataloader workers).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
 
 
 class Tiny(pl.LightningModule):
