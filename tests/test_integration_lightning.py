@@ -67,12 +67,13 @@ def trainer(tmp_path, cb, max_steps, **kw):
                       accelerator="cpu", devices=1, **kw)
 
 
-def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path):
+@pytest.mark.parametrize("samples", [16, 6])  # 6: each epoch's last step has one micro-batch
+def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path, samples):
     model = Tiny()
     cb = GradtapCallback(ewma=0.9)
-    trainer(tmp_path, cb, max_steps=3, enable_checkpointing=False).fit(model, data())
+    trainer(tmp_path, cb, max_steps=4, enable_checkpointing=False).fit(model, data(samples))
     run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
-    assert run.steps == [0, 1, 2] and len(model.seen) == 3
+    assert run.steps == [0, 1, 2, 3] and len(model.seen) == 4
     # Clean names: as in the LightningModule, no wrapper prefix.
     assert sorted(run.names) == sorted(n for n, _ in model.named_parameters())
     df = run.frame(stats="norm")

@@ -57,11 +57,13 @@ def train(tmp_path, cb, model, max_steps, ds=None, resume=None, **kw):
     return oracle, trainer
 
 
-def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path):
+@pytest.mark.parametrize("samples", [8, 6])  # 6: each epoch's last step has one micro-batch
+def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path, samples):
     model = tiny_gpt2()
-    oracle, _ = train(tmp_path, GradtapCallback(), model, max_steps=3, max_grad_norm=0.0)
+    oracle, _ = train(tmp_path, GradtapCallback(), model, max_steps=4, ds=dataset(samples),
+                      max_grad_norm=0.0)
     run = gt.open_run(tmp_path / "gradtap")
-    assert run.steps == [0, 1, 2] and len(oracle.seen) == 3
+    assert run.steps == [0, 1, 2, 3] and len(oracle.seen) == 4
     names = [n for n, p in model.named_parameters()]  # tied weights appear once
     assert sorted(run.names) == sorted(names)
     df = run.frame(stats="norm")
