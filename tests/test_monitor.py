@@ -501,3 +501,65 @@ def test_monitor_overhead_benchmark_quick(capsys):
     for model in ("MLP", "small CNN", "ResNet-18-like"):
         assert f"| {model} |" in table
     assert "naive loop" in table and "in memory" in table
+
+
+def _train_steps(model, mon, steps, seed):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 3, generator=g)).pow(2).sum().backward()
+        mon.step()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_state_dict_resume_continues_like_an_uninterrupted_run(tmp_path, every):
+    kinds = ("param_grad", "update", "grad_cosine")
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    straight_model = make()
+    with gt.Monitor(straight_model, ewma=0.8, kinds=kinds, every=every) as straight:
+        _train_steps(straight_model, straight, 3, seed=1)
+        _train_steps(straight_model, straight, 3, seed=2)
+
+    model = make()
+    with gt.Monitor(model, ewma=0.8, kinds=kinds, every=every) as first:
+        _train_steps(model, first, 3, seed=1)
+        state = first.state_dict()
+    torch.save(state, tmp_path / "state.pt")  # what a checkpoint holds
+    with gt.Monitor(model, ewma=0.8, kinds=kinds, every=every) as resumed:
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        assert resumed.steps_done == 3
+        _train_steps(model, resumed, 3, seed=2)
+
+    a, b = straight.frame(), resumed.frame()
+    a = a[a.step >= 3].reset_index(drop=True)
+    assert len(b) and sorted(b.kind.unique()) == sorted(a.kind.unique())
+    merged = a.merge(b, on=["step", "name", "kind", "stat"])
+    assert len(merged) == len(a) == len(b)
+    np.testing.assert_allclose(merged.value_x, merged.value_y, rtol=1e-6)
+    for name, _ in model.named_parameters():
+        torch.testing.assert_close(resumed.ewma_var(name), straight.ewma_var(name))
+        torch.testing.assert_close(resumed.ewma_mean(name), straight.ewma_mean(name))
+
+
+def test_load_state_dict_refuses_a_state_from_another_monitor():
+    net = nn.Linear(3, 1)
+    mon = gt.Monitor(net, ewma=0.9)
+    net(torch.randn(2, 3)).sum().backward()
+    mon.step()
+    state = mon.state_dict()
+    with pytest.raises(ValueError, match="every=1"):
+        gt.Monitor(net, ewma=0.9, every=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="ewma"):
+        gt.Monitor(net).load_state_dict(state)
+    with pytest.raises(ValueError, match="beta"):
+        gt.Monitor(net, ewma=0.5).load_state_dict(state)
+    with pytest.raises(ValueError, match="weight"):
+        gt.Monitor(net, select="bias", ewma=0.9).load_state_dict(state)
+    with pytest.raises(RuntimeError, match="before the first step"):
+        mon.load_state_dict(state)

@@ -55,6 +55,30 @@ class GradEwma:
             raise KeyError(unknown_name(name, self._names, "selected parameter"))
         return self._state[name]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The EWMA as plain tensors and numbers, for :meth:`load_state_dict` (a checkpoint)."""
+        return {"beta": self.beta,
+                "mean": {n: m.detach().clone() for n, (m, _) in self._state.items()},
+                "var": {n: v.detach().clone() for n, (_, v) in self._state.items()},
+                "updates": dict(self._updates)}
+
+    def load_state_dict(self, state: Mapping[str, Any], devices: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, each tensor on ``devices[name]``.
+
+        Raises:
+            ValueError: ``beta`` differs, or a name is not a selected parameter.
+        """
+        if float(state["beta"]) != self.beta:
+            raise ValueError(f"the saved EWMA has beta={state['beta']!r}; this one has "
+                             f"beta={self.beta!r}")
+        unknown = sorted(set(state["mean"]) - self._known)
+        if unknown:
+            raise ValueError(f"the saved EWMA has parameters that are not selected: "
+                             f"{', '.join(unknown[:5])}")
+        self._state = {n: (state["mean"][n].to(devices[n], copy=True),
+                           state["var"][n].to(devices[n], copy=True)) for n in state["mean"]}
+        self._updates = {n: int(k) for n, k in state["updates"].items()}
+
     def summaries(self) -> list[tuple[Any, ...]]:
         """One row per parameter for ``RunWriter.write_ewma``: ``(name, beta, updates, numel,
         shape_json, mean_norm, mean_absmax, var_mean, var_max)``."""

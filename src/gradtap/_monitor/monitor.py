@@ -286,6 +286,56 @@ class Monitor:
         """
         return self._ewma_state(name)[1].clone()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this one: the step count, the EWMA and the
+        ``update``/``grad_cosine`` snapshots, as tensors and plain values (``torch.save``-able).
+
+        Save it with the training checkpoint and give it to :meth:`load_state_dict` of a
+        Monitor made the same way (same selection, ``ewma``, ``every``) after resuming: the
+        statistics and EWMA go on as if training had not stopped.
+
+        Example:
+            >>> import torch, gradtap as gt
+            >>> net = torch.nn.Linear(3, 1)
+            >>> mon = gt.Monitor(net, ewma=0.9)
+            >>> net(torch.randn(4, 3)).sum().backward(); mon.step()
+            >>> resumed = gt.Monitor(net, ewma=0.9)
+            >>> resumed.load_state_dict(mon.state_dict())
+            >>> resumed.steps_done, torch.equal(resumed.ewma_var("weight"), mon.ewma_var("weight"))
+            (1, True)
+        """
+        return {"step": self._step, "every": self.every,
+                "parameters": [n for n, _ in self._params],
+                "ewma": None if self._ewma is None else self._ewma.state_dict(),
+                "snapshots": self._snapshots.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of an earlier Monitor (call before the first
+        :meth:`step`).
+
+        Raises:
+            RuntimeError: this Monitor has already taken steps.
+            ValueError: the saved state comes from a Monitor with another ``every``, ``ewma``
+                or selection.
+        """
+        if self._step:
+            raise RuntimeError("load_state_dict() must come before the first step()")
+        if state["every"] != self.every:
+            raise ValueError(f"the saved state has every={state['every']}; this Monitor has "
+                             f"every={self.every}")
+        if (state["ewma"] is None) != (self._ewma is None):
+            raise ValueError("the saved state and this Monitor disagree on ewma= (one is off)")
+        devices = {n: p.device for n, p in self._params}
+        missing = sorted(set(state["parameters"]) - set(devices))
+        if missing:
+            raise ValueError(f"the saved state watched parameters this Monitor does not: "
+                             f"{', '.join(missing[:5])}")
+        if self._ewma is not None:
+            self._ewma.load_state_dict(state["ewma"], devices)
+        self._snapshots.load_state_dict(state["snapshots"])
+        self._step = int(state["step"])
+        self._active = self._step % self.every == 0
+
     def close(self, status: str = "finished") -> None:
         """Remove hooks, store EWMA summaries and ``status`` in the run metadata, close the
         store. Safe to call twice; :meth:`frame` keeps working afterwards."""

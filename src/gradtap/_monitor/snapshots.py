@@ -9,6 +9,7 @@ step then takes the change of each parameter, its norm over the parameter's norm
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,22 @@ class Snapshots:
                 buf.copy_(g)
                 self._grads.add(n)
         self._step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The snapshots as plain tensors and numbers, for :meth:`load_state_dict`."""
+        return {"step": self._step,
+                "param": {n: t.clone() for n, t in self._prev_param.items()},
+                "grad": {n: t.clone() for n, t in self._prev_grad.items() if n in self._grads}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, on each parameter's device."""
+        devices = {n: p.device for n, p in self._params}
+        self._step = int(state["step"])
+        self._prev_param = {n: t.to(devices[n]) for n, t in state["param"].items()
+                            if n in devices} if self.update else {}
+        self._prev_grad = {n: t.to(devices[n]) for n, t in state["grad"].items()
+                           if n in devices} if self.cosine else {}
+        self._grads = set(self._prev_grad)
 
     def updates(self, step: int, params: Sequence[tuple[str, Tensor]]
                 ) -> tuple[list[str], list[Tensor], list[Tensor]] | None:

@@ -1,0 +1,160 @@
+"""What the Lightning and Hugging Face callbacks share: a Monitor (and, with ``detect=True``, a
+detector) over the trainer's model, one step per optimizer step, and its checkpoint state.
+
+The framework modules only decide *when* a step closes and *where* things are written; this
+module does the rest, so both callbacks behave the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradtap._detect._detector import Detector, detect
+from gradtap._monitor.monitor import Monitor
+from gradtap._types import Selector
+from gradtap.store import DB_NAME
+
+__all__ = ["CallbackCore", "STATE_FILE", "unwrap"]
+
+#: The file the Hugging Face callback writes into each checkpoint directory.
+STATE_FILE = "gradtap_state.pt"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside the wrappers trainers put around it (DDP's ``module``, a
+    compiled model's ``_orig_mod``), so parameters are named as in the user's model."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS:
+            model = inner
+    return model
+
+
+_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
+             "_LightningModuleWrapperBase", "_FabricModule"}
+
+
+class CallbackCore:
+    """The options of ``GradtapCallback`` and, once training starts, the Monitor they make.
+
+    Args: as ``GradtapCallback`` (see the framework modules).
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | None, select: Selector,
+                 stats: Sequence[str], kinds: Sequence[str], every: int, ewma: float | None,
+                 hist_bins: int | None, detect: bool) -> None:
+        self.store = None if store is None else os.fspath(store)
+        self.select = select
+        self.stats = tuple(stats)
+        self.kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+        self.every = every
+        self.ewma = ewma
+        self.hist_bins = hist_bins
+        self.detect = detect
+        self.monitor: Monitor | None = None
+        self.detector: Detector | None = None
+        self.skipped: list[int] = []
+        self._params: list[nn.Parameter] = []
+        self._last_step = -1
+        self._anomalies: list[Any] = []
+        self._pending_state: dict[str, Any] | None = None
+        # Checked now, not at the first training step: a bad option fails where it is written.
+        Monitor(nn.Linear(1, 1), "*", self.stats, self.kinds, ewma, hist_bins, every).close()
+
+    @property
+    def started(self) -> bool:
+        return self.monitor is not None
+
+    def start(self, model: nn.Module, default_dir: str | os.PathLike[str],
+              meta: dict[str, Any]) -> Monitor:
+        """Make the Monitor (and detector) over ``model``, writing to ``store`` or, when that
+        is ``None``, to ``default_dir`` (a free ``gradtap-<step>`` beside it when a resumed
+        run would find the first run's store there)."""
+        self.stop("finished")
+        model = unwrap(model)
+        state, self._pending_state = self._pending_state, None
+        path = Path(self.store) if self.store is not None else Path(default_dir)
+        if self.store is None and state is not None and (path / DB_NAME).exists():
+            path = path.with_name(f"{path.name}-{int(state['step'])}")
+        self.monitor = Monitor(model, self.select, self.stats, self.kinds, self.ewma,
+                               self.hist_bins, self.every, path, meta=meta)
+        # AMP: the trainer's GradScaler goes to this Monitor (and the detector) as scaler=.
+        if state is not None:
+            self.monitor.load_state_dict(state)
+        if self.detect:
+            self.detector = detect(model, action="record")
+            self._params = [p for p in model.parameters() if p.requires_grad]
+        return self.monitor
+
+    def optimizer_step(self) -> bool:
+        """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`."""
+        self.monitor_step()
+        return self.verdict()
+
+    def monitor_step(self) -> None:
+        """Close one Monitor step (the gradients of this optimizer step are complete)."""
+        assert self.monitor is not None
+        self._last_step = self.monitor.steps_done
+        self.monitor.step()
+
+    def verdict(self) -> bool:
+        """Whether the detector found an anomaly since the last optimizer step, or the
+        gradients hold a NaN/Inf (the caller skips the update); closes the detector's step."""
+        if self.detector is None:
+            return False
+        # The detector names an origin when it saw one; the gradients themselves decide too,
+        # since a trainer's step may make a NaN outside any call of the model.
+        grads = [p.grad for p in self._params if p.grad is not None]
+        skip = self.detector.should_skip() or (
+            bool(grads) and not bool(torch.stack([g.isfinite().all() for g in grads]).all()))
+        self.detector.step()
+        if skip:
+            self.skipped.append(self._last_step)
+        return skip
+
+    @property
+    def anomalies(self) -> list[Any]:
+        live = [] if self.detector is None else list(self.detector.anomalies)
+        return self._anomalies + live
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Monitor's state (or the one waiting for it), for the trainer's checkpoint."""
+        if self.monitor is not None:
+            return {"monitor": self.monitor.state_dict(), "skipped": list(self.skipped)}
+        if self._pending_state is not None:
+            return {"monitor": self._pending_state, "skipped": list(self.skipped)}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep ``state`` for the Monitor made when training starts."""
+        if not state:
+            return
+        if self.monitor is not None:
+            raise RuntimeError("the gradtap callback's state must be loaded before training "
+                               "starts")
+        self._pending_state = state["monitor"]
+        self.skipped = list(state.get("skipped", []))
+
+    def stop(self, status: str) -> None:
+        """Close the Monitor, keeping its state for a checkpoint written afterwards."""
+        if self.monitor is not None:
+            self._pending_state = self.monitor.state_dict()
+        if self.detector is not None:
+            self._anomalies += self.detector.anomalies
+            self.detector.remove()
+            self.detector = None
+        if self.monitor is not None:
+            self.monitor.close(status)
+            self.monitor = None

@@ -1,0 +1,110 @@
+"""``GradtapCallback`` for Lightning (``pip install gradtap[lightning]``).
+
+One Monitor step per optimizer step, in ``on_before_optimizer_step``: after the last
+micro-batch of a gradient accumulation, before gradient clipping, and (with mixed precision
+and an unfused optimizer) after Lightning unscaled the gradients, so the statistics are those
+of the gradients the optimizer is about to apply, unclipped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("gradtap.integrations.lightning needs Lightning: "
+                      "pip install gradtap[lightning]") from exc
+
+from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
+from gradtap._types import Selector
+from gradtap.integrations._callback import CallbackCore
+
+__all__ = ["GradtapCallback"]
+
+
+class GradtapCallback(Callback):  # type: ignore[misc]
+    """Monitor a Lightning model's gradients: one Monitor step per optimizer step.
+
+    The Monitor watches the ``LightningModule`` (parameters named as in it) from
+    ``on_train_start`` to the end of ``fit``, and writes a run store that ``gradtap report``
+    reads: ``store``, or by default a ``gradtap`` folder in ``trainer.log_dir`` (the
+    logger's version folder; ``default_root_dir`` without a logger).
+
+    Statistics are taken in ``on_before_optimizer_step``: once per optimizer step after
+    gradient accumulation, before ``gradient_clip_val`` clips, and unscaled under
+    ``precision="16-mixed"`` (unfused optimizers). With ``detect=True`` a detector screens
+    every backward; on a step where it finds a NaN/Inf the gradients are set to ``None``
+    before the optimizer runs, so torch's optimizers leave the parameters and their state
+    (momentum, Adam's moments and step) unchanged; the anomalies are in :attr:`anomalies`
+    and the skipped steps in :attr:`skipped`. The learning-rate scheduler still steps.
+
+    The callback's state (Monitor step count, EWMA, update/cosine snapshots) is saved in
+    Lightning's checkpoints and restored by ``trainer.fit(..., ckpt_path=...)``: a resumed
+    run's EWMA and step numbers continue the first run's.
+
+    Args:
+        store: run directory (default: ``<trainer.log_dir>/gradtap``; a resumed run that
+            finds a store there writes to ``gradtap-<step>`` beside it).
+        select, stats, kinds, every, ewma, hist_bins: as for :class:`gradtap.Monitor`.
+        detect: skip the optimizer step on a NaN/Inf gradient (see above).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from gradtap.integrations.lightning import GradtapCallback
+        >>> cb = GradtapCallback(ewma=0.99, every=10)
+        >>> trainer = pl.Trainer(callbacks=[cb], max_steps=0, logger=False,
+        ...                      enable_progress_bar=False, enable_model_summary=False)
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
+                 stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
+                 every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
+                 detect: bool = False) -> None:
+        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The Monitor while training runs (``None`` before and after)."""
+        return self._core.monitor
+
+    @property
+    def anomalies(self) -> list[Any]:
+        """Anomalies found with ``detect=True`` (:class:`gradtap.Anomaly`)."""
+        return self._core.anomalies
+
+    @property
+    def skipped(self) -> list[int]:
+        """Steps whose optimizer update was skipped (``detect=True``)."""
+        return list(self._core.skipped)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        self._core.start(pl_module, Path(log_dir) / "gradtap",
+                         meta={"framework": "lightning"})
+        # AMP: pass getattr(trainer.precision_plugin, "scaler", None) as the Monitor's scaler.
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: Any) -> None:
+        if not self._core.started:
+            return
+        if self._core.optimizer_step():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._core.stop("finished")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        self._core.stop("failed")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._core.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._core.load_state_dict(state_dict)

@@ -1,0 +1,136 @@
+"""The Lightning callback in a real ``Trainer.fit``: one Monitor step per optimizer step,
+norms equal to what the optimizer received (an optimizer-step hook in the test is the oracle),
+the EWMA carried across a checkpoint resume, ``detect=True`` skipping a NaN step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import gradtap as gt  # noqa: E402
+from gradtap.integrations.lightning import GradtapCallback  # noqa: E402
+
+# Lightning's own warnings about this tiny setup (few batches, no dataloader workers).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, poison_step: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.seen: list[dict[str, float | None]] = []  # the oracle: what each step received
+        self.poison_step = poison_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        return (out - y).pow(2).mean()
+
+    def forward(self, x):
+        if self.poison_step is not None and self.trainer.global_step == self.poison_step:
+            # A NaN made in this module's own forward, between its children's calls.
+            return self.net[2](self.net[1](self.net[0](x) * float("nan")))
+        return self.net(x)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        # Lightning calls step(closure) and the closure runs the backward inside step(), so
+        # the gradients the update used are read right after it (before zero_grad).
+        def after_step(opt, args, kwargs):
+            self.seen.append({n: (None if p.grad is None else p.grad.norm().item())
+                              for n, p in self.named_parameters()})
+
+        opt.register_step_post_hook(after_step)
+        return opt
+
+
+def data(n=16, repeat=False):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, generator=g).repeat(n // 2, 1) if repeat else torch.randn(
+        n, 4, generator=g)
+    ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(ds, batch_size=2)
+
+
+def trainer(tmp_path, cb, max_steps, **kw):
+    return pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, callbacks=[cb],
+                      default_root_dir=tmp_path, logger=pl.loggers.CSVLogger(tmp_path),
+                      enable_progress_bar=False, enable_model_summary=False,
+                      accelerator="cpu", devices=1, **kw)
+
+
+@pytest.mark.parametrize("samples", [16, 6])  # 6: each epoch's last step has one micro-batch
+def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path, samples):
+    model = Tiny()
+    cb = GradtapCallback(ewma=0.9)
+    trainer(tmp_path, cb, max_steps=4, enable_checkpointing=False).fit(model, data(samples))
+    run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
+    assert run.steps == [0, 1, 2, 3] and len(model.seen) == 4
+    # Clean names: as in the LightningModule, no wrapper prefix.
+    assert sorted(run.names) == sorted(n for n, _ in model.named_parameters())
+    df = run.frame(stats="norm")
+    for step, seen in enumerate(model.seen):
+        for name, norm in seen.items():
+            got = df[(df.step == step) & (df.name == name)].value.item()
+            assert got == pytest.approx(norm, rel=1e-5)
+
+
+def test_norms_are_taken_before_gradient_clipping(tmp_path):
+    model = Tiny()
+    cb = GradtapCallback()
+    trainer(tmp_path, cb, max_steps=2, enable_checkpointing=False,
+            gradient_clip_val=1e-3).fit(model, data())
+    df = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap").frame(stats="norm")
+    for step, seen in enumerate(model.seen):
+        clipped = math.sqrt(sum(v**2 for v in seen.values()))
+        assert clipped == pytest.approx(1e-3, rel=1e-3)  # the optimizer got clipped gradients
+        total = math.sqrt((df[df.step == step].value ** 2).sum())
+        assert total > 10 * clipped  # gradtap saw them before clipping
+
+
+def test_ewma_survives_a_checkpoint_resume(tmp_path):
+    # Every batch is the same and the checkpoint is at an epoch's end (8 samples, batches of
+    # 2, accumulation 2: two optimizer steps per epoch), so the resumed training is the
+    # uninterrupted one.
+    straight = GradtapCallback(ewma=0.9, store=tmp_path / "straight")
+    trainer(tmp_path / "a", straight, max_steps=-1, max_epochs=2,
+            enable_checkpointing=False).fit(Tiny(), data(8, repeat=True))
+
+    first = GradtapCallback(ewma=0.9)
+    t = trainer(tmp_path / "b", first, max_steps=-1, max_epochs=1, enable_checkpointing=False)
+    t.fit(Tiny(), data(8, repeat=True))
+    t.save_checkpoint(tmp_path / "b" / "mid.ckpt")
+    resumed = GradtapCallback(ewma=0.9)
+    trainer(tmp_path / "b", resumed, max_steps=-1, max_epochs=2, enable_checkpointing=False).fit(
+        Tiny(), data(8, repeat=True), ckpt_path=tmp_path / "b" / "mid.ckpt")
+
+    a = gt.open_run(tmp_path / "straight")
+    b = gt.open_run(tmp_path / "b" / "lightning_logs" / "version_1" / "gradtap")
+    assert b.steps == [2, 3]
+    for name in a.ewma:
+        for key in ("updates", "mean_norm", "var_mean", "var_max"):
+            assert b.ewma[name][key] == pytest.approx(a.ewma[name][key], rel=1e-5), (name, key)
+
+
+def test_detect_skips_the_anomalous_step(tmp_path):
+    model = Tiny(poison_step=1)
+    cb = GradtapCallback(detect=True)
+    t = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[cb],
+                   default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    t.fit(model, data())
+    assert cb.skipped == [1]
+    # Named when training_step calls the module (the detector watches its calls).
+    assert [(a.module_name, a.where, a.step) for a in cb.anomalies[:1]] == [("", "forward", 1)]
+    assert all(v is None for v in model.seen[1].values())  # the optimizer got no gradients
+    assert all(v is not None for v in model.seen[2].values())
+    df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
+    assert (df[df.step == 1].value > 0).all() and (df[df.step != 1].value == 0).all()

@@ -1,0 +1,130 @@
+"""The Hugging Face callback in a real ``Trainer.train`` on a tiny GPT-2 built from a config:
+one Monitor step per optimizer step, norms equal to what the optimizer received (an optimizer
+step pre-hook in the test is the oracle), taken before clipping, the EWMA carried across a
+checkpoint resume, ``detect=True`` skipping a NaN step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer needs it
+
+import gradtap as gt  # noqa: E402
+from gradtap.integrations.transformers import GradtapCallback  # noqa: E402
+
+
+def tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def dataset(n=8, repeat=False):
+    g = torch.Generator().manual_seed(1)
+    ids = (torch.randint(0, 32, (2, 6), generator=g).repeat(n // 2, 1) if repeat
+           else torch.randint(0, 32, (n, 6), generator=g))
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+class Oracle:
+    """An optimizer whose step pre-hook records the gradients each update receives."""
+
+    def __init__(self, model, lr=1e-2):
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.seen: list[dict[str, float | None]] = []
+        self.opt.register_step_pre_hook(self._record)
+
+    def _record(self, opt, args, kwargs):
+        self.seen.append({self.names[p]: (None if p.grad is None else p.grad.norm().item())
+                          for g in opt.param_groups for p in g["params"]})
+
+
+def train(tmp_path, cb, model, max_steps, ds=None, resume=None, **kw):
+    oracle = Oracle(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_steps=1, dataloader_num_workers=0, seed=0, lr_scheduler_type="constant", **{"save_strategy": "no", **kw})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds or dataset(),
+                                   callbacks=[cb], optimizers=(oracle.opt, None))
+    trainer.train(resume_from_checkpoint=resume)
+    return oracle, trainer
+
+
+@pytest.mark.parametrize("samples", [8, 6])  # 6: each epoch's last step has one micro-batch
+def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_path, samples):
+    model = tiny_gpt2()
+    oracle, _ = train(tmp_path, GradtapCallback(), model, max_steps=4, ds=dataset(samples),
+                      max_grad_norm=0.0)
+    run = gt.open_run(tmp_path / "gradtap")
+    assert run.steps == [0, 1, 2, 3] and len(oracle.seen) == 4
+    names = [n for n, p in model.named_parameters()]  # tied weights appear once
+    assert sorted(run.names) == sorted(names)
+    df = run.frame(stats="norm")
+    for step, seen in enumerate(oracle.seen):
+        for name, norm in seen.items():
+            got = df[(df.step == step) & (df.name == name)].value.item()
+            assert got == pytest.approx(norm, rel=1e-5), (step, name)
+
+
+def test_norms_are_taken_before_gradient_clipping(tmp_path):
+    oracle, trainer = train(tmp_path, GradtapCallback(), tiny_gpt2(), max_steps=2,
+                            max_grad_norm=1e-3)
+    df = gt.open_run(tmp_path / "gradtap").frame(stats="norm")
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    for step, seen in enumerate(oracle.seen):
+        clipped = math.sqrt(sum(v**2 for v in seen.values()))
+        assert clipped == pytest.approx(1e-3, rel=1e-3)  # the optimizer got clipped gradients
+        total = math.sqrt((df[df.step == step].value ** 2).sum())
+        assert total == pytest.approx(logged[step], rel=1e-4)  # the Trainer's pre-clip norm
+
+
+def test_ewma_survives_a_checkpoint_resume(tmp_path):
+    ds = dataset(8, repeat=True)  # every batch the same: the resume sees what the run saw
+    straight = GradtapCallback(ewma=0.9, store=tmp_path / "straight")
+    train(tmp_path / "a", straight, tiny_gpt2(), max_steps=4, ds=ds)
+
+    train(tmp_path / "b", GradtapCallback(ewma=0.9), tiny_gpt2(), max_steps=2, ds=ds,
+          save_strategy="steps", save_steps=2)
+    assert (tmp_path / "b" / "checkpoint-2" / "gradtap_state.pt").is_file()
+    train(tmp_path / "b", GradtapCallback(ewma=0.9), tiny_gpt2(), max_steps=4, ds=ds,
+          resume=str(tmp_path / "b" / "checkpoint-2"))
+
+    a = gt.open_run(tmp_path / "straight")
+    b = gt.open_run(tmp_path / "b" / "gradtap-2")
+    assert b.steps == [2, 3]
+    a_norms = a.frame(stats="norm")
+    b_norms = b.frame(stats="norm")
+    merged = a_norms[a_norms.step >= 2].merge(b_norms, on=["step", "name"])
+    assert len(merged) == len(b_norms)
+    assert merged.value_x.to_numpy() == pytest.approx(merged.value_y.to_numpy(), rel=1e-5)
+    for name in a.ewma:
+        for key in ("updates", "mean_norm", "var_mean", "var_max"):
+            assert b.ewma[name][key] == pytest.approx(a.ewma[name][key], rel=1e-5), (name, key)
+
+
+def test_detect_skips_the_anomalous_step(tmp_path):
+    model = tiny_gpt2()
+    calls = [0]
+
+    def poison(module, args, output):
+        calls[0] += 1
+        if calls[0] in (3, 4):  # both micro-batches of optimizer step 1
+            return output * float("nan")
+
+    handle = model.transformer.h[0].mlp.register_forward_hook(poison)
+    cb = GradtapCallback(detect=True)
+    oracle, _ = train(tmp_path, cb, model, max_steps=3, max_grad_norm=0.0)
+    handle.remove()
+    assert cb.skipped == [1]
+    assert all(v is None for v in oracle.seen[1].values())  # the optimizer got no gradients
+    assert all(v is not None and math.isfinite(v) for v in oracle.seen[2].values())
+    assert cb.anomalies and cb.anomalies[0].module_name.startswith("transformer.h.0.mlp")
+    df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
+    assert (df[df.step == 1].value > 0).any() and (df[df.step != 1].value == 0).all()
