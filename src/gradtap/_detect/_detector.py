@@ -20,10 +20,11 @@ from torch import Tensor, nn
 
 from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
 from gradtap._detect._dump import write_dump
-from gradtap._detect._messages import Found, unreproduced_anomaly
+from gradtap._detect._measure import Plan, innermost
+from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
 from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
-from gradtap._detect._spikes import SpikeTracker
+from gradtap._detect._spikes import ParamSpikes, Spike, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._types import Selector
 from gradtap.errors import GradientAnomaly
@@ -77,16 +78,13 @@ class Detector:
                              "or leave nonfinite=True")
         if replay is not None and not isinstance(replay, bool):
             raise ValueError(f"replay must be None, True or False; got {replay!r}")
-        if replay and spike is not None:
-            raise ValueError("replay=True cannot watch spikes: a spike needs every module's norms "
-                             "at every step; leave replay=None (per-call watch) or set spike=None")
-        replays = replay if replay is not None else spike is None
+        replays = replay if replay is not None else True
         if screen is not None and screen not in _SCREENS:
             raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
         if screen is not None and not replays:
             raise ValueError("screen= chooses what the replay watch screens each step; the "
-                             "per-call watch (replay=False, or spike=) checks every selected call "
-                             "anyway: leave screen=None")
+                             "per-call watch (replay=False) checks every selected call anyway: "
+                             "leave screen=None")
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -109,11 +107,15 @@ class Detector:
         self._found: list[Found] = []  # made from the screen's evidence, not yet emitted
         self._ready: list[Found] = []  # found by a replay, not yet emitted
         self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
+        self._param_spikes: ParamSpikes | None = None
         self._screen: Screen | None = None
         self._watch: CallWatch | None = None
         if replays:
             self._screen = Screen(model, selected if screen == "modules" else [])
             self._screen.on_backward_end = self._screened_backward
+            if self.spike is not None:
+                self._param_spikes = ParamSpikes(selected, self.spike, warmup, self.spike_beta)
+                self._screen.extra = self._param_spikes.device_norms
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
         # gradient coming from the loss, and it catches what unselected code does.
@@ -162,6 +164,9 @@ class Detector:
         if self._pending_forward():
             self._check_forward()
             self._emit()
+        if self._param_spikes is not None:
+            self._check_unscreened_backward()
+            self._emit()
         return self._skip
 
     def check(self) -> list[Anomaly]:
@@ -194,16 +199,12 @@ class Detector:
         """
         try:
             self._check_forward()
-            screen = self._screen
-            if screen is not None and screen.calls and not screen.backward_checked:
-                # No backward reached a screened tensor (none ran, or only a loss on an
-                # intermediate): the parameter gradients are still checked once.
-                suspects = screen.check(backward=True, stale=True)
-                if suspects:
-                    self._localize(suspects, [])
+            self._check_unscreened_backward()
             self._emit()
         finally:
             self._spikes.close_step()
+            if self._param_spikes is not None:
+                self._param_spikes.close_step()
             self._skip = False
             self._step += 1
             if self._watch is not None:
@@ -215,10 +216,26 @@ class Detector:
              ) -> tuple[float, float]:
         """``(mean, var)`` of the spike EWMA of module ``name``'s ``kind`` norm.
 
+        The default watch keeps parameter-gradient EWMAs only (no ``"grad_output"``; see
+        :func:`detect`); ``replay=False`` keeps both.
+
         Raises:
-            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed).
+            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed),
+                or ``"grad_output"`` under the default watch.
         """
-        return self._spikes.ewma(name, kind)
+        tracker = self._param_spikes
+        if tracker is None:
+            return self._spikes.ewma(name, kind)
+        found = tracker.ewma(name) if kind == "param_grad" else None
+        if found is None:
+            if kind == "grad_output":
+                raise KeyError(f"no spike EWMA for module {name!r} kind 'grad_output': the "
+                               "default watch compares parameter-gradient norms only (pass "
+                               "replay=False for grad_output EWMAs)")
+            have = [n for n in tracker.names if tracker.ewma(n) is not None]
+            raise KeyError(f"no spike EWMA for module {name!r} kind {kind!r}; have: "
+                           f"{', '.join(f'{n}:param_grad' for n in have[:10]) or '(none: call step())'}")
+        return found
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
@@ -249,18 +266,95 @@ class Detector:
             self._watch.check_forward()
         elif self._screen is not None and self._screen.unchecked():
             suspects = self._screen.check()
-            if suspects:
+            if suspects and self.nonfinite:
                 self._localize(suspects, [])
+
+    def _check_unscreened_backward(self) -> None:
+        """The parameter gradients' check when no backward reached a screened tensor this step
+        (none ran, only a loss on an intermediate, or with ``spike`` submodules called without
+        the model): once a step."""
+        screen = self._screen
+        if screen is None or screen.backward_checked:
+            return
+        if screen.calls or (self._param_spikes is not None and self._param_spikes.any_grad()):
+            suspects = screen.check(backward=True, stale=True)
+            self._after_check(suspects, [])
 
     def _screened_backward(self, backward: list[RootCall]) -> None:
         """End of a backward that reached a screened output: one check, a replay if bad."""
         assert self._screen is not None
         if not any(c.reported for c in backward):  # else: consequences of a reported forward
             suspects = self._screen.check(backward=True)
-            if suspects:
-                self._localize(suspects, backward)
+            self._after_check(suspects, backward)
         self._emit()
 
+    def _after_check(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
+        """After a check of the parameter gradients: a replay for a non-finite value, else
+        the spike check of the parameter-gradient norms read with it."""
+        assert self._screen is not None
+        if suspects and self.nonfinite:
+            self._localize(suspects, backward)
+            return
+        values = self._screen.extra_values
+        if self._param_spikes is None or values is None or self._screen.quiet_params:
+            return
+        spikes = self._param_spikes.check(values)
+        if spikes:
+            self._localize_spike(spikes, backward)
+
+    def _localize_spike(self, spikes: list[Spike], backward: list[RootCall]) -> None:
+        """Replay the step under a per-call watch to name the first spiking module in backward
+        order (innermost) and show its call's record, grad_outputs included."""
+        assert self._screen is not None and self._param_spikes is not None
+        watch = CallWatch(self._model, select_modules(self._model, self._select),
+                          options=WatchOptions(eager_on_cpu=False), step=self._step)
+        watch.plans = []
+        try:
+            replay_step(self._screen, watch, backward)
+            watch.check_forward()
+        except Exception:  # noqa: BLE001 - the spike is still reported, from .grad
+            watch.plans = []
+            watch.found = []
+        finally:
+            watch.remove()
+        plans = watch.plans
+        spiking = {s[1]: s for s in spikes}
+        self._screen.quiet_params = True  # one event per step
+        for call in self._screen.calls:
+            call.reported = True
+        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
+            self._ready.extend(watch.found)
+            return
+        order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
+        first = innermost(order, lambda ip: ip[1].name)
+        if first:
+            _, plan = first[0]
+            name = plan.name
+            note = self._replay_note(plan)
+        else:  # not reproduced (e.g. gradients accumulated over several backwards)
+            name = innermost(spikes, lambda s: s[1])[0][1]
+            plan, note = None, ("the replay of this backward did not show this module's call: "
+                                "its norm is that of .grad at the end of the backward")
+        spike = spiking[name]
+        module = self._modules[name]
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        anomaly = spike_anomaly(self._step, plan, [spike], self._param_spikes.mean(name),
+                                self._param_spikes.spike, module=(type(module).__name__, own),
+                                note=note)
+        self._ready.append(Found(anomaly, None if plan is None else (name, plan.call), module))
+
+    @staticmethod
+    def _replay_note(plan: Plan) -> str:
+        """What the replay shows of the gradient reaching the module (no EWMA for it)."""
+        rec = plan.rec
+        assert rec is not None
+        out = [g for g in rec.grad_outputs.values() if g is not None]
+        if not out:
+            return "found by a replay of the step"
+        norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
+        return (f"found by a replay of the step: the gradient reaching its output "
+                f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
+                f"EWMA of it (replay=False does): compare it with other steps' reports")
     def _localize(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
         """Replay the step under a fresh per-call watch to find where the suspects came from.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,10 @@ class Screen:
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
         self.backward_checked = False  # a backward of this step was checked
+        # Set by the detector with spike=: fn() -> 1-d device tensors read back with the
+        # parameter gradients' check; their host values land in ``extra_values``.
+        self.extra: Callable[[], list[Tensor]] | None = None
+        self.extra_values: np.ndarray | None = None
         self._forward = _Pending()  # outputs since the last forward check
         self._grads = _Pending()  # gradients of the running backward
         self._open: list[RootCall | None] = []
@@ -262,16 +267,23 @@ class Screen:
                 params, grad_groups, summed = self._param_grads()
         started = self._finite_at_start if backward else {}
         self._finite_at_start = {}
+        self.extra_values = None
         refs = [t for part in pending for t in part.refs]
         ranges = [t for part in pending for t in part.ranges]
         if not refs and not ranges and not params:
             return []
         with torch.no_grad():
             # The one host copy: the screened tensors' norms, then one flag per group of
-            # parameter gradients, the sums of those summed in backward, ranges, start flags.
+            # parameter gradients, the sums of those summed in backward, ranges, start flags
+            # (and the detector's extra vectors: per-module parameter-gradient norms).
             flags = _host.nonfinite_flags(grad_groups)
+            vectors = self.extra() if params and self.extra is not None else []
             values = _host.norms(refs, extra=[*flags, *(s for _, s in summed), *ranges,
-                                              *started.values()])
+                                              *started.values()], vectors=vectors)
+        n_extra = sum(v.numel() for v in vectors)
+        if vectors:
+            self.extra_values = values[len(values) - n_extra:]
+            values = values[:len(values) - n_extra]
         first_param = len(refs)
         flagged = values[first_param:first_param + len(flags)]
         values = np.delete(values, np.s_[first_param:first_param + len(flags)])

@@ -1,16 +1,24 @@
-"""The spike tracker: per (module, kind) a step's norm against ``spike`` times its EWMA."""
+"""Spike trackers: per (module, kind) a step's norm against ``spike`` times its EWMA.
+
+:class:`SpikeTracker` serves the per-call watch (``replay=False``): parameter-gradient and
+grad_output norms from each call's record. :class:`ParamSpikes` serves the default watch:
+parameter-gradient norms read from ``.grad`` at the screen's check, no hook at all.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
+from gradtap._detect import _host
 from gradtap._detect._measure import Backward, Plan, innermost
 
-__all__ = ["Spike", "SpikeTracker"]
+__all__ = ["ParamSpikes", "Spike", "SpikeTracker"]
 
 #: One spiking norm: (index of its plan, module name, kind, value, limit).
 Spike = tuple[int, str, str, float, float]
@@ -150,3 +158,130 @@ class SpikeTracker:
             self._var = torch.cat([self._var, var])
             self._count = np.concatenate([self._count, np.ones(len(new), np.int64)])
 
+
+
+class ParamSpikes:
+    """Parameter-gradient spikes of the default watch, with no hook: per selected module, the
+    norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
+
+    :meth:`device_norms` makes, on the device and without a host sync, the squared norms of
+    every module's direct parameter gradients (one ``torch._foreach_norm`` per device and
+    dtype, added up per module); the screen reads them back with its own one host copy and
+    hands them to :meth:`check`. :meth:`close_step` feeds the step's norms into the EWMAs, all
+    modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
+    its EWMA has ``warmup`` steps.
+    """
+
+    def __init__(self, selected: list[tuple[str, nn.Module]], spike: float, warmup: int,
+                 beta: float) -> None:
+        self.spike, self.warmup, self.beta = spike, warmup, beta
+        self.names: list[str] = []
+        self._params: list[tuple[int, Tensor]] = []  # (module index, parameter)
+        seen: set[int] = set()
+        for name, module in selected:
+            own = [p for _, p in module.named_parameters(recurse=False)
+                   if p.is_floating_point() and p.requires_grad and id(p) not in seen]
+            if not own:
+                continue
+            seen.update(id(p) for p in own)
+            self._params += [(len(self.names), p) for p in own]
+            self.names.append(name)
+        self._at = {name: i for i, name in enumerate(self.names)}
+        n = len(self.names)
+        self._mean = np.zeros(n)
+        self._var = np.zeros(n)
+        self._count = np.zeros(n, dtype=np.int64)
+        self._values = np.full(n, np.nan)  # this step's norms (the last check's), NaN: none
+        self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
+        self._index: dict[tuple[Any, ...], Tensor] = {}
+        self._layout: list[tuple[torch.device, list[int]]] = []
+
+    def ewma(self, name: str) -> tuple[float, float] | None:
+        """``(mean, var)`` of module ``name``'s parameter-gradient EWMA, None if it has none."""
+        i = self._at.get(name)
+        if i is None or self._count[i] == 0:
+            return None
+        return float(self._mean[i]), float(self._var[i])
+
+    def mean(self, name: str) -> float:
+        """The EWMA mean of module ``name``'s parameter-gradient norm (it has one)."""
+        return float(self._mean[self._at[name]])
+
+    def any_grad(self) -> bool:
+        """Whether a watched parameter has a gradient now."""
+        return any(p.grad is not None for _, p in self._params)
+
+    def device_norms(self) -> list[Tensor]:
+        """Squared norms per module of the parameter gradients now in ``.grad``: one float64
+        vector per device (on it, no host sync), in the order :meth:`check` expects."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+        for i, p in self._params:
+            g = p.grad
+            if g is None or not _host.measurable(g):
+                continue
+            group = groups.get((g.device, g.dtype))
+            if group is None:
+                group = groups[(g.device, g.dtype)] = ([], [])
+            group[0].append(g.detach() if g.requires_grad else g)
+            group[1].append(i)
+        by_device: dict[torch.device, list[tuple[Tensor, list[int]]]] = {}
+        for (device, _), (grads, owners) in groups.items():
+            sq = ops.group_norms(grads).to(torch.float64).square()
+            by_device.setdefault(device, []).append((sq, owners))
+        out: list[Tensor] = []
+        self._layout = []
+        for device, parts in by_device.items():
+            owners = [i for _, o in parts for i in o]
+            key = (device, *owners)
+            index = self._index.get(key)
+            if index is None:
+                index = self._index[key] = torch.tensor(owners, device=device)
+            sq = torch.cat([s for s, _ in parts]) if len(parts) > 1 else parts[0][0]
+            present = sorted(set(owners))
+            out.append(torch.zeros(len(self.names), dtype=torch.float64, device=device)
+                       .index_add_(0, index, sq))
+            self._layout.append((device, present))
+        return out
+
+    def check(self, values: np.ndarray) -> list[Spike]:
+        """The host copy of :meth:`device_norms`' vectors: note the step's norms; return the
+        modules that spike and were not flagged yet this step, in module order, as
+        ``(module index, name, "param_grad", value, limit)``."""
+        n = len(self.names)
+        total = np.zeros(n)
+        present = np.zeros(n, dtype=bool)
+        for k, (_, idx) in enumerate(self._layout):
+            total += values[k * n:(k + 1) * n]
+            present[idx] = True
+        norms = np.where(present, np.sqrt(total), np.nan)
+        self._values = norms
+        bad = present & ~np.isfinite(norms)
+        self._flagged |= bad  # a non-finite norm never feeds the EWMA
+        limit = self.spike * self._mean
+        hit = (present & ~self._flagged & (self._count >= max(self.warmup, 1))
+               & np.isfinite(norms) & (norms > limit))
+        self._flagged |= hit
+        return [(int(i), self.names[i], "param_grad", float(norms[i]), float(limit[i]))
+                for i in np.flatnonzero(hit)]
+
+    def close_step(self) -> None:
+        """Feed the step's norms into the EWMAs (vectorised) and start a new step."""
+        values, flagged = self._values, self._flagged
+        self._values = np.full(len(self.names), np.nan)
+        self._flagged = np.zeros(len(self.names), dtype=bool)
+        use = np.isfinite(values) & ~flagged
+        if not use.any():
+            return
+        first = use & (self._count == 0)
+        self._mean[first] = values[first]
+        self._var[first] = 0.0
+        update = use & ~first
+        if update.all():  # the usual step: every norm is there, update in place
+            ops.ewma_update_(torch.from_numpy(self._mean), torch.from_numpy(self._var),
+                             torch.from_numpy(values), self.beta)
+        elif update.any():
+            mean, var = torch.from_numpy(self._mean[update]), torch.from_numpy(self._var[update])
+            ops.ewma_update_(mean, var, torch.from_numpy(values[update]), self.beta)
+            self._mean[update] = mean.numpy()
+            self._var[update] = var.numpy()
+        self._count[use] += 1
