@@ -3,7 +3,9 @@
 ``gt.detect(model)`` screens every step cheaply (:class:`~gradtap._detect._screen.Screen`)
 and replays a step found non-finite (:func:`~gradtap._detect._replay.replay`) under a fresh
 per-call watch (:class:`~gradtap._detect._watch.CallWatch`), which names the origin.
-``replay=False`` and ``spike=`` use the per-call watch every step instead, with a
+With ``spike=`` the screen's check also reads every module's parameter-gradient norm
+(:class:`~gradtap._detect._spikes.ParamSpikes`) and a spiking step is replayed to name the
+module. ``replay=False`` uses the per-call watch every step instead, with a
 :class:`~gradtap._detect._spikes.SpikeTracker` for spikes. The reports themselves are built
 by :mod:`gradtap._detect._messages`. The :class:`Detector` holds only what ties these
 together: the step number, the anomalies and how they are emitted (raised, warned, dumped).
@@ -447,15 +449,30 @@ def detect(
     * backward (only if the forward and loss were finite): the first module, in backward
       order, whose ``grad_inputs`` or ``param_grads`` hold NaN/Inf while its ``grad_outputs``
       were finite.
-    * spikes (``spike=``): a module's direct parameter-gradient norm or grad-output norm,
-      over all its calls in the step, above ``spike`` times its EWMA (factor ``spike_beta``,
-      the usual EWMA) once that EWMA has ``warmup`` steps. Spiking, NaN and Inf values
-      do not update the EWMA; after a spike, later modules in the same backward are not
-      reported for it.
+    * spikes (``spike=``): a module's direct parameter-gradient norm above ``spike`` times
+      its EWMA (factor ``spike_beta``, the usual EWMA) once that EWMA has ``warmup`` steps;
+      with ``replay=False``, its grad-output norm too. Spiking, NaN and Inf values do not
+      update the EWMA; one spike is reported per event (the first spiking module in backward
+      order, innermost), and a module flagged in a step is not reported again in that step.
+
+      The default watch reads the norm of each selected module's direct parameters' ``.grad``
+      at the end of each backward (one batched norm, read with the screen's one host copy;
+      no hook on any call) and updates every EWMA at once in ``det.step()``. Only when a norm
+      spikes is the step replayed under the per-call watch: the report names the first
+      spiking module in backward order and carries its call's record, whose grad_output is
+      the gradient that reached it in this step (its norm is in the message). That
+      grad_output has no EWMA to be compared with (keeping one would need a hook on every
+      call every step), so under the default watch a grad_output spike is never reported on
+      its own: a large gradient arriving at a module shows as that module's
+      parameter-gradient spike, with the grad_output in its report. ``replay=False`` keeps
+      grad_output EWMAs and reports grad_output spikes (``where="grad_output"``) as before,
+      at per-call cost. The default watch's norm is that of ``.grad`` (with weight sharing,
+      of the summed gradient; with gradient accumulation over backwards in one step, of the
+      total); the per-call watch's adds each call's squared norms.
 
     Two ways to watch (``replay=``):
 
-    * **replay** (the default when ``spike`` is None): a light screen, then a replay. Each
+    * **replay** (the default, with or without ``spike``): a light screen, then a replay. Each
       step the screen reduces on the device the model's outputs, the loss given to
       ``check_loss``, the gradients reaching the model's outputs and leaving its inputs, and
       every parameter gradient, and reads them in one host copy at the end of the backward;
@@ -471,7 +488,7 @@ def detect(
       replay a forward that depends on other state or a gradient entering the model other
       than through its outputs: such an anomaly is still reported, from what the screen saw,
       saying so.
-    * **per-call watch** (``replay=False``, and always with ``spike``): every selected call
+    * **per-call watch** (``replay=False``): every selected call
       is captured as it runs (device-side min/max of forward tensors, norms of every
       gradient of its record), with two host syncs per step: one for the forward (at
       ``det.check_loss(loss)``, else when the backward starts) and one when the backward
@@ -490,9 +507,9 @@ def detect(
             ``step()``), ``"warn"`` (:class:`AnomalyWarning`) or ``"record"`` silently.
         dump_dir: write one dump file per anomaly there (see :func:`load_dump`).
         spike_beta: EWMA factor for spikes.
-        replay: ``None``: replay when ``spike`` is None, else the per-call watch; ``False``:
-            the per-call watch (for a forward with side effects that must not run twice);
-            ``True``: replay (not with ``spike``).
+        replay: ``None`` or ``True``: the screen, and a replay after an anomaly; ``False``:
+            the per-call watch (for a forward with side effects that must not run twice, or
+            for grad_output spikes).
         screen: what the replay watch screens each step: ``"model"`` (the default) or
             ``"modules"`` (every selected call too); only with the replay watch.
 
@@ -503,7 +520,7 @@ def detect(
     Raises:
         SelectionError: ``select`` matched no module.
         ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay`` or
-            ``screen``, ``replay=True`` with ``spike``, or ``screen`` with the per-call watch.
+            ``screen``, or ``screen`` with the per-call watch.
 
     Example:
         >>> import torch, gradtap as gt
