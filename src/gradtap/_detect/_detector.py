@@ -117,7 +117,7 @@ class Detector:
             self._screen.on_backward_end = self._screened_backward
             if self.spike is not None:
                 self._param_spikes = ParamSpikes(selected, self.spike, warmup, self.spike_beta)
-                self._screen.extra = self._param_spikes.device_norms
+                self._screen.norms_mode = True
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
         # gradient coming from the loss, and it catches what unselected code does.
@@ -297,10 +297,10 @@ class Detector:
         if suspects and self.nonfinite:
             self._localize(suspects, backward)
             return
-        values = self._screen.extra_values
-        if self._param_spikes is None or values is None or self._screen.quiet_params:
+        found = self._screen.param_norms
+        if self._param_spikes is None or found is None or self._screen.quiet_params:
             return
-        spikes = self._param_spikes.check(values)
+        spikes = self._param_spikes.check(*found)
         if spikes:
             self._localize_spike(spikes, backward)
 

@@ -8,14 +8,12 @@ parameter-gradient norms read from ``.grad`` at the screen's check, no hook at a
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
-from gradtap._detect import _host
 from gradtap._detect._measure import Backward, Plan, innermost
 
 __all__ = ["ParamSpikes", "Spike", "SpikeTracker"]
@@ -164,10 +162,10 @@ class ParamSpikes:
     """Parameter-gradient spikes of the default watch, with no hook: per selected module, the
     norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
 
-    :meth:`device_norms` makes, on the device and without a host sync, the squared norms of
-    every module's direct parameter gradients (one ``torch._foreach_norm`` per device and
-    dtype, added up per module); the screen reads them back with its own one host copy and
-    hands them to :meth:`check`. :meth:`close_step` feeds the step's norms into the EWMAs, all
+    The screen, in its norms mode, reduces every parameter gradient to its L2 norm at its
+    check (one ``torch._foreach_norm`` per device and dtype, in place of its finiteness pass)
+    and reads them with its one host copy; :meth:`check` adds them up per module on the host.
+    :meth:`close_step` feeds the step's norms into the EWMAs, all
     modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
     its EWMA has ``warmup`` steps.
     """
@@ -176,25 +174,33 @@ class ParamSpikes:
                  beta: float) -> None:
         self.spike, self.warmup, self.beta = spike, warmup, beta
         self.names: list[str] = []
-        self._params: list[tuple[int, Tensor]] = []  # (module index, parameter)
-        seen: set[int] = set()
+        self._index_of: dict[int, int] = {}  # id(parameter) -> its module's index
+        self._owner_of: dict[int, Tensor] = {}
         for name, module in selected:
             own = [p for _, p in module.named_parameters(recurse=False)
-                   if p.is_floating_point() and p.requires_grad and id(p) not in seen]
+                   if p.is_floating_point() and p.requires_grad and id(p) not in self._index_of]
             if not own:
                 continue
-            seen.update(id(p) for p in own)
-            self._params += [(len(self.names), p) for p in own]
+            for p in own:
+                self._index_of[id(p)] = len(self.names)
+                self._owner_of[id(p)] = p
             self.names.append(name)
         self._at = {name: i for i, name in enumerate(self.names)}
         n = len(self.names)
-        self._mean = np.zeros(n)
-        self._var = np.zeros(n)
+        # The EWMA state as numpy arrays and torch views of the same memory (ops.ewma_update_).
+        self._mean_t = torch.zeros(n, dtype=torch.float64)
+        self._var_t = torch.zeros(n, dtype=torch.float64)
+        self._new_t = torch.zeros(n, dtype=torch.float64)
+        self._mean, self._var = self._mean_t.numpy(), self._var_t.numpy()
+        self._new = self._new_t.numpy()
         self._count = np.zeros(n, dtype=np.int64)
+        self._armed = np.zeros(n, dtype=bool)  # count >= max(warmup, 1): checked for spikes
+        self._limit = np.zeros(n)  # spike x mean
         self._values = np.full(n, np.nan)  # this step's norms (the last check's), NaN: none
         self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
-        self._index: dict[tuple[Any, ...], Tensor] = {}
-        self._layout: list[tuple[torch.device, list[int]]] = []
+        # Per list of the screen's parameters: the positions of the watched ones (None: all),
+        # their modules' indices, and which modules have a norm.
+        self._owners: dict[tuple[int, ...], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
 
     def ewma(self, name: str) -> tuple[float, float] | None:
         """``(mean, var)`` of module ``name``'s parameter-gradient EWMA, None if it has none."""
@@ -209,79 +215,64 @@ class ParamSpikes:
 
     def any_grad(self) -> bool:
         """Whether a watched parameter has a gradient now."""
-        return any(p.grad is not None for _, p in self._params)
+        return any(p.grad is not None for p in self._owner_of.values())
 
-    def device_norms(self) -> list[Tensor]:
-        """Squared norms per module of the parameter gradients now in ``.grad``: one float64
-        vector per device (on it, no host sync), in the order :meth:`check` expects."""
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
-        for i, p in self._params:
-            g = p.grad
-            if g is None or not _host.measurable(g):
-                continue
-            group = groups.get((g.device, g.dtype))
-            if group is None:
-                group = groups[(g.device, g.dtype)] = ([], [])
-            group[0].append(g.detach() if g.requires_grad else g)
-            group[1].append(i)
-        by_device: dict[torch.device, list[tuple[Tensor, list[int]]]] = {}
-        for (device, _), (grads, owners) in groups.items():
-            sq = ops.group_norms(grads).to(torch.float64).square()
-            by_device.setdefault(device, []).append((sq, owners))
-        out: list[Tensor] = []
-        self._layout = []
-        for device, parts in by_device.items():
-            owners = [i for _, o in parts for i in o]
-            key = (device, *owners)
-            index = self._index.get(key)
-            if index is None:
-                index = self._index[key] = torch.tensor(owners, device=device)
-            sq = torch.cat([s for s, _ in parts]) if len(parts) > 1 else parts[0][0]
-            present = sorted(set(owners))
-            out.append(torch.zeros(len(self.names), dtype=torch.float64, device=device)
-                       .index_add_(0, index, sq))
-            self._layout.append((device, present))
-        return out
-
-    def check(self, values: np.ndarray) -> list[Spike]:
-        """The host copy of :meth:`device_norms`' vectors: note the step's norms; return the
-        modules that spike and were not flagged yet this step, in module order, as
-        ``(module index, name, "param_grad", value, limit)``."""
+    def check(self, params: list[tuple[str, Tensor]], norms: np.ndarray) -> list[Spike]:
+        """Note the step's norms from the screen's ``params`` and the norms of their gradients
+        (one host copy, made by the screen); return the modules that spike and were not
+        flagged yet this step, in module order, as ``(module index, name, "param_grad",
+        value, limit)``."""
+        key = tuple([id(p) for _, p in params])
+        entry = self._owners.get(key)
         n = len(self.names)
-        total = np.zeros(n)
-        present = np.zeros(n, dtype=bool)
-        for k, (_, idx) in enumerate(self._layout):
-            total += values[k * n:(k + 1) * n]
-            present[idx] = True
-        norms = np.where(present, np.sqrt(total), np.nan)
-        self._values = norms
-        bad = present & ~np.isfinite(norms)
-        self._flagged |= bad  # a non-finite norm never feeds the EWMA
-        limit = self.spike * self._mean
-        hit = (present & ~self._flagged & (self._count >= max(self.warmup, 1))
-               & np.isfinite(norms) & (norms > limit))
+        if entry is None:
+            owners = np.array([self._index_of.get(id(p), -1) for _, p in params], dtype=np.int64)
+            mine = owners >= 0
+            entry = self._owners[key] = (None if mine.all() else np.flatnonzero(mine),
+                                         owners[mine], np.bincount(owners[mine], minlength=n) > 0)
+        positions, owners, present = entry
+        if positions is not None:
+            norms = norms[positions]
+        values = np.sqrt(np.bincount(owners, weights=norms * norms, minlength=n))
+        if not present.all():
+            values[~present] = np.nan
+        self._values = values
+        hit = (values > self._limit) & self._armed  # False for NaN
+        if not hit.any() and np.isfinite(values[present]).all():
+            return []
+        self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
+        hit &= ~self._flagged
         self._flagged |= hit
-        return [(int(i), self.names[i], "param_grad", float(norms[i]), float(limit[i]))
+        return [(int(i), self.names[i], "param_grad", float(values[i]), float(self._limit[i]))
                 for i in np.flatnonzero(hit)]
 
     def close_step(self) -> None:
         """Feed the step's norms into the EWMAs (vectorised) and start a new step."""
         values, flagged = self._values, self._flagged
-        self._values = np.full(len(self.names), np.nan)
-        self._flagged = np.zeros(len(self.names), dtype=bool)
-        use = np.isfinite(values) & ~flagged
+        n = len(self.names)
+        self._values = np.full(n, np.nan)
+        if flagged.any():
+            self._flagged = np.zeros(n, dtype=bool)
+        use = np.isfinite(values)
+        if flagged.any():
+            use &= ~flagged
+        if use.all() and self._armed.all():  # the usual step: every norm, update in place
+            self._new[:] = values
+            ops.ewma_update_(self._mean_t, self._var_t, self._new_t, self.beta)
+            np.multiply(self._mean, self.spike, out=self._limit)
+            self._count += 1
+            return
         if not use.any():
             return
         first = use & (self._count == 0)
         self._mean[first] = values[first]
         self._var[first] = 0.0
         update = use & ~first
-        if update.all():  # the usual step: every norm is there, update in place
-            ops.ewma_update_(torch.from_numpy(self._mean), torch.from_numpy(self._var),
-                             torch.from_numpy(values), self.beta)
-        elif update.any():
+        if update.any():
             mean, var = torch.from_numpy(self._mean[update]), torch.from_numpy(self._var[update])
             ops.ewma_update_(mean, var, torch.from_numpy(values[update]), self.beta)
             self._mean[update] = mean.numpy()
             self._var[update] = var.numpy()
         self._count[use] += 1
+        self._armed = self._count >= max(self.warmup, 1)
+        np.multiply(self._mean, self.spike, out=self._limit)
