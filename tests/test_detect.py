@@ -520,6 +520,40 @@ def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
         assert det.ewma("3", "grad_output")[0] > 0
 
 
+@pytest.mark.parametrize("fault", ["spike", "nan"])
+def test_spikes_and_nans_in_a_large_parameter_gradient_under_the_default_watch(fault):
+    # ScaledLinear(512, 512)'s weight is large enough to be reduced as soon as it is
+    # accumulated (a norm, with spike=); '1' is summed with the small ones at the check.
+    torch.manual_seed(0)
+    net = nn.Sequential(ScaledLinear(8, 512), ScaledLinear(512, 512), nn.Tanh(), nn.Linear(512, 2))
+    assert net[1].weight.numel() >= _host.BIG
+    g = torch.Generator().manual_seed(0)
+    norms = []
+    with gt.detect(net, spike=10.0, warmup=5, action="record") as det:
+        for step in range(10):
+            net[1].factor = (float("nan") if fault == "nan" else 100.0) if step == 8 else 1.0
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+            F.cross_entropy(net(x), y).backward()
+            norms.append({(str(i), "param_grad"): float(torch.cat(
+                [p.grad.double().reshape(-1) for p in net[i].parameters()]).norm())
+                for i in (0, 1, 3)})
+            assert det.should_skip() == (step == 8)
+            net.zero_grad()
+            det.step()
+    got = [(a.step, a.module_name, a.kind, a.where) for a in det.anomalies]
+    if fault == "nan":
+        assert got == [(8, "1", "nan", "param_grad")]
+        norms[8] = {}  # a non-finite step feeds no EWMA
+    else:
+        spikes, _ = _naive_spikes(norms, 10.0, 5, 0.9)
+        assert [s[:3] for s in spikes] == [(8, "1", "param_grad")]
+        assert got == [(8, "1", "spike", "param_grad")]
+        assert det.anomalies[0].value == pytest.approx(spikes[0][3], rel=1e-5)
+    _, state = _naive_spikes(norms, 10.0, 5, 0.9)
+    for key, (m, var, _) in state.items():
+        assert det.ewma(*key) == pytest.approx((m, var), rel=1e-4, abs=1e-12)
+
+
 def test_healthy_steps_with_spike_install_no_per_module_hook_and_no_tap(monkeypatch):
     from gradtap.capture.taps import Tap
 
