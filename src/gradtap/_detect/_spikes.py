@@ -195,8 +195,10 @@ class ParamSpikes:
         self._new = self._new_t.numpy()
         self._count = np.zeros(n, dtype=np.int64)
         self._armed = np.zeros(n, dtype=bool)  # count >= max(warmup, 1): checked for spikes
-        self._limit = np.zeros(n)  # spike x mean
-        self._values = np.full(n, np.nan)  # this step's norms (the last check's), NaN: none
+        self._all_armed = False
+        self._limit = np.full(n, np.inf)  # spike x mean once armed, else inf
+        self._values: np.ndarray | None = None  # this step's norms (the last check's), NaN: none
+        self._clean = False  # every module has a finite norm this step, none flagged
         self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
         # Per list of the screen's parameters: the positions of the watched ones (None: all),
         # their modules' indices, and which modules have a norm.
@@ -237,9 +239,11 @@ class ParamSpikes:
         if not present.all():
             values[~present] = np.nan
         self._values = values
-        hit = (values > self._limit) & self._armed  # False for NaN
+        hit = values > self._limit  # False for NaN and for modules not armed yet
         if not hit.any() and np.isfinite(values[present]).all():
+            self._clean = not self._flagged.any() and bool(present.all())
             return []
+        self._clean = False
         self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
         hit &= ~self._flagged
         self._flagged |= hit
@@ -248,20 +252,19 @@ class ParamSpikes:
 
     def close_step(self) -> None:
         """Feed the step's norms into the EWMAs (vectorised) and start a new step."""
-        values, flagged = self._values, self._flagged
+        values, flagged, clean = self._values, self._flagged, self._clean
         n = len(self.names)
-        self._values = np.full(n, np.nan)
-        if flagged.any():
-            self._flagged = np.zeros(n, dtype=bool)
-        use = np.isfinite(values)
-        if flagged.any():
-            use &= ~flagged
-        if use.all() and self._armed.all():  # the usual step: every norm, update in place
+        self._values, self._clean = None, False
+        if values is None:
+            return
+        if clean and self._all_armed:  # the usual step: every norm, update in place
             self._new[:] = values
             ops.ewma_update_(self._mean_t, self._var_t, self._new_t, self.beta)
             np.multiply(self._mean, self.spike, out=self._limit)
             self._count += 1
             return
+        self._flagged = np.zeros(n, dtype=bool)
+        use = np.isfinite(values) & ~flagged
         if not use.any():
             return
         first = use & (self._count == 0)
@@ -275,4 +278,5 @@ class ParamSpikes:
             self._var[update] = var.numpy()
         self._count[use] += 1
         self._armed = self._count >= max(self.warmup, 1)
-        np.multiply(self._mean, self.spike, out=self._limit)
+        self._all_armed = bool(self._armed.all())
+        self._limit = np.where(self._armed, self.spike * self._mean, np.inf)
