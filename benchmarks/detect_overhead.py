@@ -7,14 +7,18 @@ Side by side in one run, per model: a plain forward+backward step (``F.cross_ent
 a replay would run only after an anomaly, so never here), with ``det.check_loss(loss)`` and
 ``det.step()`` each step; the same with ``screen="modules"`` (every module's outputs and
 their gradients screened too); the same with ``replay=False`` (every call captured as it runs);
-the same with ``spike=10`` (which uses the per-call watch); and the step inside
+the same with ``spike=10`` (the screen plus every module's parameter-gradient norm, read with
+the screen's host copy; no hook on any call); and the step inside
 ``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in interleaved rounds
 by ``_harness.interleaved``, median per step; each ratio is the median over rounds of the
 variant's time over the plain step's in the same round (a paired comparison: drift between
 rounds on a noisy machine cancels). Each variant's hooks exist only while it runs.
 
-Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, and a deep narrow net
-(40 x Linear(64, 64) + Tanh), where per-op checks hurt most.
+Models: the MLP, small CNN and ResNet-18-like net of ``_models.py``, a deep narrow net
+(40 x Linear(64, 64) + Tanh), where per-op checks hurt most, and a small deep MLP of 33
+modules (16 x (Linear(32, 32) + Tanh) + Linear(32, 10), batch 16) trained with SGD, where a
+step is under a millisecond and every per-call cost shows. ``--threads N`` sets torch's
+intra-op threads; ``--models SUBSTRING`` runs the models whose label contains it.
 """
 
 from __future__ import annotations
@@ -53,20 +57,34 @@ def deep_narrow(depth: int = 40, width: int = 64, batch: int = 128,
             torch.randint(0, 10, (batch,), generator=g))
 
 
-def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+def _optimizer_step(model: nn.Module, sgd: bool) -> Callable[[], None]:
+    """SGD's step on ``model`` (a small learning rate: the model barely moves), or nothing."""
+    if not sgd:
+        return lambda: None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return opt.step
+
+
+def _plain(model: nn.Module, x: Tensor, y: Tensor, sgd: bool = False) -> Callable[[], None]:
+    opt_step = _optimizer_step(model, sgd)
+
     def step() -> None:
         F.cross_entropy(model(x), y).backward()
+        opt_step()
         model.zero_grad(set_to_none=True)
 
     return step
 
 
 def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None,
-            replay: bool | None = None, screen: str | None = None) -> Callable[[], None]:
+            replay: bool | None = None, screen: str | None = None,
+            sgd: bool = False) -> Callable[[], None]:
     det = gt.detect(model, spike=spike, action="raise", replay=replay, screen=screen)
+    opt_step = _optimizer_step(model, sgd)
 
     def step() -> None:
         det.check_loss(F.cross_entropy(model(x), y)).backward()
+        opt_step()
         model.zero_grad(set_to_none=True)
         det.step()
 
@@ -74,23 +92,30 @@ def _detect(model: nn.Module, x: Tensor, y: Tensor, spike: float | None = None,
     return step
 
 
-def _anomaly(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+def _anomaly(model: nn.Module, x: Tensor, y: Tensor, sgd: bool = False) -> Callable[[], None]:
+    opt_step = _optimizer_step(model, sgd)
+
     def step() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
             F.cross_entropy(model(x), y).backward()
+        opt_step()
         model.zero_grad(set_to_none=True)
 
     return step
 
 
-VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], None]]] = {
+VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "plain": _plain,
     "detect": _detect,
-    "detect_modules": lambda model, x, y: _detect(model, x, y, screen="modules"),
-    "detect_calls": lambda model, x, y: _detect(model, x, y, replay=False),
-    "detect_spike": lambda model, x, y: _detect(model, x, y, spike=10.0),
+    "detect_modules": lambda model, x, y, sgd=False: _detect(model, x, y, screen="modules",
+                                                               sgd=sgd),
+    "detect_calls": lambda model, x, y, sgd=False: _detect(model, x, y, replay=False, sgd=sgd),
+    "detect_spike": lambda model, x, y, sgd=False: _detect(model, x, y, spike=10.0, sgd=sgd),
     "anomaly": _anomaly,
 }
+
+#: The small deep MLP's label (trained with SGD in every variant).
+SMALL_DEEP = "33-module MLP 16 x (Linear(32, 32) + Tanh) + Linear(32, 10), batch 16, SGD"
 
 
 def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
@@ -136,7 +161,11 @@ def _timings(results: dict[str, Timing | str]) -> dict[str, Timing]:
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--models", default="", help="run the models whose label contains this")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     # detect_anomaly warns that it is slow, once per use.
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     rounds = 1 if args.quick else 21
@@ -148,13 +177,18 @@ def main(argv: Sequence[str] | None = None) -> str:
         builders = {"MLP (_models.mlp), batch 128": _models.mlp,
                     "small CNN (_models.small_cnn), batch 64": _models.small_cnn,
                     "ResNet-18-like, batch 16": _models.resnet18_like,
-                    "deep narrow 40 x (Linear(64, 64) + Tanh), batch 128": deep_narrow}
+                    "deep narrow 40 x (Linear(64, 64) + Tanh), batch 128": deep_narrow,
+                    SMALL_DEEP: lambda: deep_narrow(depth=16, width=32, batch=16)}
+    builders = {k: v for k, v in builders.items() if args.models in k}
     rows = []
     for label, build in builders.items():
         model, x, y = build()
-        steps = 1 if args.quick else steps_for(_plain(model, x, y), budget=0.3, cap=10)
+        sgd = label == SMALL_DEEP
+        steps = 1 if args.quick else steps_for(_plain(model, x, y, sgd=sgd), budget=0.3,
+                                               cap=200 if sgd else 10)
         # Each variant's hooks exist only while it runs (a fresh detector every round).
-        makers = {name: functools.partial(make, model, x, y) for name, make in VARIANTS.items()}
+        makers = {name: functools.partial(make, model, x, y, sgd=sgd)
+                  for name, make in VARIANTS.items()}
         t = _timings(interleaved(makers, steps=steps, rounds=rounds, warmup=steps, fresh=True))
 
         def cell(name: str, t: dict[str, Timing] = t) -> str:

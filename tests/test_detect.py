@@ -31,7 +31,7 @@ from gradtap._detect import (
     inspect_main,
 )
 from gradtap._detect._watch import WatchOptions
-from tests._models import assert_no_hooks
+from tests._models import _MODULE_HOOK_DICTS, assert_no_hooks
 
 # -- planted faults ---------------------------------------------------------------------------
 
@@ -455,6 +455,11 @@ def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
     assert a.threshold == pytest.approx(spikes[0][4], rel=1e-5)
     assert skips == [step == 30 for step in range(40)]
     for key, (m, var, _) in state.items():
+        if key[1] == "grad_output" and mode in ("model", "modules"):
+            # The default watch has no hook on the calls: parameter-gradient EWMAs only.
+            with pytest.raises(KeyError, match="parameter-gradient norms only"):
+                det.ewma(*key)
+            continue
         got_m, got_v = det.ewma(*key)
         assert got_m == pytest.approx(m, rel=1e-5)
         assert got_v == pytest.approx(var, rel=1e-4, abs=1e-12)
@@ -463,15 +468,34 @@ def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
 def test_a_grad_output_spike_is_reported_once_where_it_enters(mode):
     net = _spike_net()
     g = torch.Generator().manual_seed(1)
+    held: list[Tensor] = []
+    handle = net[2].register_forward_hook(
+        lambda m, i, o: (o.retain_grad(), held.append(o)) and None)
     with gt.detect(net, spike=10.0, warmup=5, action="record") as det:
         for step in range(12):
             net[4].factor = 500.0 if step == 8 else 1.0
             x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
             F.cross_entropy(net(x), y).backward()
+            if step == 8:
+                oracle = float(held[0].grad.double().norm())  # dL/d(output of '2')
+            held.clear()
             net.zero_grad()
             det.step()
-    # Every module before the scaler sees the spike; only the first in backward order is named.
-    assert [(a.step, a.module_name, a.where) for a in det.anomalies] == [(8, "3", "grad_output")]
+    handle.remove()
+    if mode in ("eager", "deferred"):
+        # The per-call watch keeps grad_output EWMAs: every module before the scaler sees the
+        # spike; only the first in backward order is named.
+        assert [(a.step, a.module_name, a.where) for a in det.anomalies] == [
+            (8, "3", "grad_output")]
+        return
+    # The default watch compares parameter gradients only: '2' and '0' spike; the replay
+    # names the first in backward order and shows the grad_output that reached it.
+    assert [(a.step, a.module_name, a.where) for a in det.anomalies] == [(8, "2", "param_grad")]
+    a = det.anomalies[0]
+    assert a.record is not None and a.record.module_name == "2" and a.call == 0
+    assert float(a.record.grad_outputs["output"].double().norm()) == pytest.approx(oracle,
+                                                                                     rel=1e-5)
+    assert f"has norm {oracle:.4g} in this step" in a.message
 
 
 def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
@@ -491,7 +515,82 @@ def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
             opt.zero_grad()
             det.step()
     assert det.anomalies == [] and det.steps_done == 300
-    assert det.ewma("2", "param_grad")[0] > 0 and det.ewma("3", "grad_output")[0] > 0
+    assert det.ewma("2", "param_grad")[0] > 0
+    if mode in ("eager", "deferred"):  # the per-call watch keeps grad_output EWMAs too
+        assert det.ewma("3", "grad_output")[0] > 0
+
+
+@pytest.mark.parametrize("fault", ["spike", "nan"])
+def test_spikes_and_nans_in_a_large_parameter_gradient_under_the_default_watch(fault):
+    # ScaledLinear(512, 512)'s weight is large enough to be reduced as soon as it is
+    # accumulated (a norm, with spike=); '1' is summed with the small ones at the check.
+    torch.manual_seed(0)
+    net = nn.Sequential(ScaledLinear(8, 512), ScaledLinear(512, 512), nn.Tanh(), nn.Linear(512, 2))
+    assert net[1].weight.numel() >= _host.BIG
+    g = torch.Generator().manual_seed(0)
+    norms = []
+    with gt.detect(net, spike=10.0, warmup=5, action="record") as det:
+        for step in range(10):
+            net[1].factor = (float("nan") if fault == "nan" else 100.0) if step == 8 else 1.0
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+            F.cross_entropy(net(x), y).backward()
+            norms.append({(str(i), "param_grad"): float(torch.cat(
+                [p.grad.double().reshape(-1) for p in net[i].parameters()]).norm())
+                for i in (0, 1, 3)})
+            assert det.should_skip() == (step == 8)
+            net.zero_grad()
+            det.step()
+    got = [(a.step, a.module_name, a.kind, a.where) for a in det.anomalies]
+    if fault == "nan":
+        assert got == [(8, "1", "nan", "param_grad")]
+        norms[8] = {}  # a non-finite step feeds no EWMA
+    else:
+        spikes, _ = _naive_spikes(norms, 10.0, 5, 0.9)
+        assert [s[:3] for s in spikes] == [(8, "1", "param_grad")]
+        assert got == [(8, "1", "spike", "param_grad")]
+        assert det.anomalies[0].value == pytest.approx(spikes[0][3], rel=1e-5)
+    _, state = _naive_spikes(norms, 10.0, 5, 0.9)
+    for key, (m, var, _) in state.items():
+        assert det.ewma(*key) == pytest.approx((m, var), rel=1e-4, abs=1e-12)
+
+
+def test_healthy_steps_with_spike_install_no_per_module_hook_and_no_tap(monkeypatch):
+    from gradtap.capture.taps import Tap
+
+    taps: list[int] = []
+    real_init = Tap.__init__
+
+    def counted(self, *args, **kwargs):
+        taps.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tap, "__init__", counted)
+    net = _spike_net()
+    hooked: list[str] = []
+
+    def inspect_hooks() -> None:  # while the step runs: what the detector put on submodules
+        for name, module in net.named_modules():
+            if name and any(getattr(module, attr) for attr in _MODULE_HOOK_DICTS):
+                hooked.append(name)
+        for name, p in net.named_parameters():
+            if p._backward_hooks or p._post_accumulate_grad_hooks:
+                hooked.append(name)
+
+    g = torch.Generator().manual_seed(2)
+    with gt.detect(net, spike=10.0, warmup=10, action="record") as det:
+        for step in range(16):
+            net[2].factor = 1000.0 if step == 15 else 1.0
+            x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+            loss = det.check_loss(F.cross_entropy(net(x), y))
+            inspect_hooks()
+            loss.backward()
+            if step < 15:
+                assert taps == [] and hooked == [], (step, taps, hooked)
+            net.zero_grad()
+            det.step()
+    # The spike at step 15 is named through a replay, which does capture the calls.
+    assert taps and [(a.step, a.module_name, a.where) for a in det.anomalies] == [
+        (15, "2", "param_grad")]
 
 
 # -- actions, steps, skipping -----------------------------------------------------------------
@@ -664,13 +763,12 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
         gt.detect(net, spike=10.0, spike_beta=1.0)
     with pytest.raises(ValueError, match="nothing to detect: nonfinite=False and spike=None"):
         gt.detect(net, nonfinite=False)
-    with pytest.raises(ValueError, match="replay=True cannot watch spikes"):
-        gt.detect(net, spike=10.0, replay=True)
+    gt.detect(net, spike=10.0, replay=True, screen="modules").remove()  # spikes need no hook
     with pytest.raises(ValueError, match="replay must be None, True or False; got 1"):
         gt.detect(net, replay=1)
     with pytest.raises(ValueError, match="screen must be None, 'model' or 'modules'; got 'all'"):
         gt.detect(net, screen="all")
-    for kw in ({"replay": False}, {"spike": 10.0}):
+    for kw in ({"replay": False}, {"replay": False, "spike": 10.0}):
         with pytest.raises(ValueError, match="screen= chooses what the replay watch screens"):
             gt.detect(net, screen="modules", **kw)
     with pytest.raises(gt.SelectionError, match="matches no module"):
@@ -731,10 +829,12 @@ def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, 
     with gt.detect(net, spike=10.0) as det:
         det.check_loss(F.cross_entropy(net(x), y)).backward()
         det.step()
-        # One copy for the forward (at check_loss); the deferred path adds one at the end of
-        # the backward, whatever the depth. The eager path reads CPU norms directly. (spike=
-        # always uses the per-call watch: mode "replay" runs the deferred path.)
-        assert len(copies) == (1 if mode == "eager" else 2)
+        # The default watch: one copy at the end of the backward (the screen's, with the
+        # parameter-gradient norms). The per-call watch: one for the forward (at check_loss);
+        # the deferred path adds one at the end of the backward, whatever the depth, the eager
+        # path reads CPU norms directly.
+        per_step = 2 if mode == "deferred" else 1
+        assert len(copies) == per_step
         # Nothing may read a tensor value on the host while the step runs.
         for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
             monkeypatch.setattr(torch.Tensor, name, _forbidden(name))
@@ -742,7 +842,7 @@ def test_a_healthy_step_costs_two_host_copies_and_no_sync_in_hooks(monkeypatch, 
         assert not det.should_skip()
         det.step()
         monkeypatch.undo()
-    assert len(copies) == (2 if mode == "eager" else 4)
+    assert len(copies) == 2 * per_step
 
 
 def test_cpu_records_are_not_kept_unless_they_may_be_reported():

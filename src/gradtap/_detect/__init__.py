@@ -4,14 +4,15 @@
 the gradients at its boundary and every parameter gradient; each selected call's outputs and
 their gradients too with ``screen="modules"``), replays a step found non-finite
 (``_replay.replay``) under a per-call watch of every selected call (``_watch.CallWatch``,
-what ``replay=False`` and ``spike=`` use every step), and reports, per event, the innermost
+what ``replay=False`` uses every step), with ``spike=`` also a step whose parameter-gradient
+norms spike (``_spikes.ParamSpikes``, read with the screen's check), and reports, per event, the innermost
 module where a non-finite value first appeared (or the loss, as ``"<loss>"``), the slot,
 NaN/Inf counts, the ranges of the module's forward tensors and parameters against their
 dtype, and a hint. See :func:`detect`.
 
 Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), ``_screen``
 (the light screen), ``_replay`` (rerunning a step), ``_watch`` (the per-call watch),
-``_measure`` (what the watch measures), ``_spikes`` (the spike tracker), ``_messages`` (the
+``_measure`` (what the watch measures), ``_spikes`` (the spike trackers), ``_messages`` (the
 report of each kind of anomaly), ``_anomaly`` (the Anomaly type and report helpers),
 ``_host`` (batched reductions and host copies), ``_dump`` (dump files).
 """

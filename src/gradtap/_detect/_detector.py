@@ -3,7 +3,9 @@
 ``gt.detect(model)`` screens every step cheaply (:class:`~gradtap._detect._screen.Screen`)
 and replays a step found non-finite (:func:`~gradtap._detect._replay.replay`) under a fresh
 per-call watch (:class:`~gradtap._detect._watch.CallWatch`), which names the origin.
-``replay=False`` and ``spike=`` use the per-call watch every step instead, with a
+With ``spike=`` the screen's check also reads every module's parameter-gradient norm
+(:class:`~gradtap._detect._spikes.ParamSpikes`) and a spiking step is replayed to name the
+module. ``replay=False`` uses the per-call watch every step instead, with a
 :class:`~gradtap._detect._spikes.SpikeTracker` for spikes. The reports themselves are built
 by :mod:`gradtap._detect._messages`. The :class:`Detector` holds only what ties these
 together: the step number, the anomalies and how they are emitted (raised, warned, dumped).
@@ -22,10 +24,11 @@ from torch import Tensor, nn
 
 from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
 from gradtap._detect._dump import write_dump
-from gradtap._detect._messages import Found, unreproduced_anomaly
+from gradtap._detect._measure import Plan, innermost
+from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
 from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
-from gradtap._detect._spikes import SpikeTracker
+from gradtap._detect._spikes import ParamSpikes, Spike, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler
@@ -82,16 +85,13 @@ class Detector:
                              "or leave nonfinite=True")
         if replay is not None and not isinstance(replay, bool):
             raise ValueError(f"replay must be None, True or False; got {replay!r}")
-        if replay and spike is not None:
-            raise ValueError("replay=True cannot watch spikes: a spike needs every module's norms "
-                             "at every step; leave replay=None (per-call watch) or set spike=None")
-        replays = replay if replay is not None else spike is None
+        replays = replay if replay is not None else True
         if screen is not None and screen not in _SCREENS:
             raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
         if screen is not None and not replays:
             raise ValueError("screen= chooses what the replay watch screens each step; the "
-                             "per-call watch (replay=False, or spike=) checks every selected call "
-                             "anyway: leave screen=None")
+                             "per-call watch (replay=False) checks every selected call anyway: "
+                             "leave screen=None")
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -119,11 +119,15 @@ class Detector:
         if scaler is not None:
             self._amp = self._hooks.grad_scaler(scaler)
             self._spikes.scale_of = self._scale
+        self._param_spikes: ParamSpikes | None = None
         self._screen: Screen | None = None
         self._watch: CallWatch | None = None
         if replays:
             self._screen = Screen(model, selected if screen == "modules" else [])
             self._screen.on_backward_end = self._screened_backward
+            if self.spike is not None:
+                self._param_spikes = ParamSpikes(selected, self.spike, warmup, self.spike_beta)
+                self._screen.norms_mode = True
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
         # gradient coming from the loss, and it catches what unselected code does.
@@ -172,6 +176,9 @@ class Detector:
         if self._pending_forward():
             self._check_forward()
             self._emit()
+        if self._param_spikes is not None:
+            self._check_unscreened_backward()
+            self._emit()
         return self._skip
 
     def check(self) -> list[Anomaly]:
@@ -204,16 +211,12 @@ class Detector:
         """
         try:
             self._check_forward()
-            screen = self._screen
-            if screen is not None and screen.calls and not screen.backward_checked:
-                # No backward reached a screened tensor (none ran, or only a loss on an
-                # intermediate): the parameter gradients are still checked once.
-                suspects = screen.check(backward=True, stale=True)
-                if suspects:
-                    self._localize(suspects, [])
+            self._check_unscreened_backward()
             self._emit()
         finally:
             self._spikes.close_step()
+            if self._param_spikes is not None:
+                self._param_spikes.close_step()
             self._skip = False
             self._step += 1
             if self._watch is not None:
@@ -225,10 +228,26 @@ class Detector:
              ) -> tuple[float, float]:
         """``(mean, var)`` of the spike EWMA of module ``name``'s ``kind`` norm.
 
+        The default watch keeps parameter-gradient EWMAs only (no ``"grad_output"``; see
+        :func:`detect`); ``replay=False`` keeps both.
+
         Raises:
-            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed).
+            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed),
+                or ``"grad_output"`` under the default watch.
         """
-        return self._spikes.ewma(name, kind)
+        tracker = self._param_spikes
+        if tracker is None:
+            return self._spikes.ewma(name, kind)
+        found = tracker.ewma(name) if kind == "param_grad" else None
+        if found is None:
+            if kind == "grad_output":
+                raise KeyError(f"no spike EWMA for module {name!r} kind 'grad_output': the "
+                               "default watch compares parameter-gradient norms only (pass "
+                               "replay=False for grad_output EWMAs)")
+            have = [n for n in tracker.names if tracker.ewma(n) is not None]
+            raise KeyError(f"no spike EWMA for module {name!r} kind {kind!r}; have: "
+                           f"{', '.join(f'{n}:param_grad' for n in have[:10]) or '(none: call step())'}")
+        return found
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
@@ -260,18 +279,98 @@ class Detector:
             self._watch.check_forward()
         elif self._screen is not None and self._screen.unchecked():
             suspects = self._screen.check()
-            if suspects:
+            if suspects and self.nonfinite:
                 self._localize(suspects, [])
+
+    def _check_unscreened_backward(self) -> None:
+        """The parameter gradients' check when no backward reached a screened tensor this step
+        (none ran, only a loss on an intermediate, or with ``spike`` submodules called without
+        the model): once a step."""
+        screen = self._screen
+        if screen is None or screen.backward_checked:
+            return
+        if screen.calls or (self._param_spikes is not None and self._param_spikes.any_grad()):
+            suspects = screen.check(backward=True, stale=True)
+            self._after_check(suspects, [])
 
     def _screened_backward(self, backward: list[RootCall]) -> None:
         """End of a backward that reached a screened output: one check, a replay if bad."""
         assert self._screen is not None
         if not any(c.reported for c in backward):  # else: consequences of a reported forward
             suspects = self._screen.check(backward=True)
-            if suspects:
-                self._localize(suspects, backward)
+            self._after_check(suspects, backward)
         self._emit()
 
+    def _after_check(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
+        """After a check of the parameter gradients: a replay for a non-finite value, else
+        the spike check of the parameter-gradient norms read with it."""
+        assert self._screen is not None
+        if suspects and self.nonfinite:
+            self._localize(suspects, backward)
+            return
+        found = self._screen.param_norms
+        if self._param_spikes is None or found is None or self._screen.quiet_params:
+            return
+        params, norms = found
+        if self._amp is not None:  # the norms of the unscaled gradients (g / scale)
+            norms = norms / self._scale()
+        spikes = self._param_spikes.check(params, norms)
+        if spikes:
+            self._localize_spike(spikes, backward)
+
+    def _localize_spike(self, spikes: list[Spike], backward: list[RootCall]) -> None:
+        """Replay the step under a per-call watch to name the first spiking module in backward
+        order (innermost) and show its call's record, grad_outputs included."""
+        assert self._screen is not None and self._param_spikes is not None
+        watch = CallWatch(self._model, select_modules(self._model, self._select),
+                          options=WatchOptions(eager_on_cpu=False), step=self._step)
+        watch.plans = []
+        try:
+            replay_step(self._screen, watch, backward)
+            watch.check_forward()
+        except Exception:  # noqa: BLE001 - the spike is still reported, from .grad
+            watch.plans = []
+            watch.found = []
+        finally:
+            watch.remove()
+        plans = watch.plans
+        spiking = {s[1]: s for s in spikes}
+        self._screen.quiet_params = True  # one event per step
+        for call in self._screen.calls:
+            call.reported = True
+        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
+            self._ready.extend(watch.found)
+            return
+        order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
+        first = innermost(order, lambda ip: ip[1].name)
+        if first:
+            _, plan = first[0]
+            name = plan.name
+            note = self._replay_note(plan)
+        else:  # not reproduced (e.g. gradients accumulated over several backwards)
+            name = innermost(spikes, lambda s: s[1])[0][1]
+            plan, note = None, ("the replay of this backward did not show this module's call: "
+                                "its norm is that of .grad at the end of the backward")
+        spike = spiking[name]
+        module = self._modules[name]
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        anomaly = spike_anomaly(self._step, plan, [spike], self._param_spikes.mean(name),
+                                self._param_spikes.spike, module=(type(module).__name__, own),
+                                note=note)
+        self._ready.append(Found(anomaly, None if plan is None else (name, plan.call), module))
+
+    @staticmethod
+    def _replay_note(plan: Plan) -> str:
+        """What the replay shows of the gradient reaching the module (no EWMA for it)."""
+        rec = plan.rec
+        assert rec is not None
+        out = [g for g in rec.grad_outputs.values() if g is not None]
+        if not out:
+            return "found by a replay of the step"
+        norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
+        return (f"found by a replay of the step: the gradient reaching its output "
+                f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
+                f"EWMA of it (replay=False does): compare it with other steps' reports")
     def _localize(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
         """Replay the step under a fresh per-call watch to find where the suspects came from.
 
@@ -385,15 +484,30 @@ def detect(
     * backward (only if the forward and loss were finite): the first module, in backward
       order, whose ``grad_inputs`` or ``param_grads`` hold NaN/Inf while its ``grad_outputs``
       were finite.
-    * spikes (``spike=``): a module's direct parameter-gradient norm or grad-output norm,
-      over all its calls in the step, above ``spike`` times its EWMA (factor ``spike_beta``,
-      the usual EWMA) once that EWMA has ``warmup`` steps. Spiking, NaN and Inf values
-      do not update the EWMA; after a spike, later modules in the same backward are not
-      reported for it.
+    * spikes (``spike=``): a module's direct parameter-gradient norm above ``spike`` times
+      its EWMA (factor ``spike_beta``, the usual EWMA) once that EWMA has ``warmup`` steps;
+      with ``replay=False``, its grad-output norm too. Spiking, NaN and Inf values do not
+      update the EWMA; one spike is reported per event (the first spiking module in backward
+      order, innermost), and a module flagged in a step is not reported again in that step.
+
+      The default watch reads the norm of each selected module's direct parameters' ``.grad``
+      at the end of each backward (one batched norm, read with the screen's one host copy;
+      no hook on any call) and updates every EWMA at once in ``det.step()``. Only when a norm
+      spikes is the step replayed under the per-call watch: the report names the first
+      spiking module in backward order and carries its call's record, whose grad_output is
+      the gradient that reached it in this step (its norm is in the message). That
+      grad_output has no EWMA to be compared with (keeping one would need a hook on every
+      call every step), so under the default watch a grad_output spike is never reported on
+      its own: a large gradient arriving at a module shows as that module's
+      parameter-gradient spike, with the grad_output in its report. ``replay=False`` keeps
+      grad_output EWMAs and reports grad_output spikes (``where="grad_output"``) as before,
+      at per-call cost. The default watch's norm is that of ``.grad`` (with weight sharing,
+      of the summed gradient; with gradient accumulation over backwards in one step, of the
+      total); the per-call watch's adds each call's squared norms.
 
     Two ways to watch (``replay=``):
 
-    * **replay** (the default when ``spike`` is None): a light screen, then a replay. Each
+    * **replay** (the default, with or without ``spike``): a light screen, then a replay. Each
       step the screen reduces on the device the model's outputs, the loss given to
       ``check_loss``, the gradients reaching the model's outputs and leaving its inputs, and
       every parameter gradient, and reads them in one host copy at the end of the backward;
@@ -409,7 +523,7 @@ def detect(
       replay a forward that depends on other state or a gradient entering the model other
       than through its outputs: such an anomaly is still reported, from what the screen saw,
       saying so.
-    * **per-call watch** (``replay=False``, and always with ``spike``): every selected call
+    * **per-call watch** (``replay=False``): every selected call
       is captured as it runs (device-side min/max of forward tensors, norms of every
       gradient of its record), with two host syncs per step: one for the forward (at
       ``det.check_loss(loss)``, else when the backward starts) and one when the backward
@@ -428,9 +542,9 @@ def detect(
             ``step()``), ``"warn"`` (:class:`AnomalyWarning`) or ``"record"`` silently.
         dump_dir: write one dump file per anomaly there (see :func:`load_dump`).
         spike_beta: EWMA factor for spikes.
-        replay: ``None``: replay when ``spike`` is None, else the per-call watch; ``False``:
-            the per-call watch (for a forward with side effects that must not run twice);
-            ``True``: replay (not with ``spike``).
+        replay: ``None`` or ``True``: the screen, and a replay after an anomaly; ``False``:
+            the per-call watch (for a forward with side effects that must not run twice, or
+            for grad_output spikes).
         screen: what the replay watch screens each step: ``"model"`` (the default) or
             ``"modules"`` (every selected call too); only with the replay watch.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Spike norms and their
@@ -448,7 +562,7 @@ def detect(
     Raises:
         SelectionError: ``select`` matched no module.
         ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay`` or
-            ``screen``, ``replay=True`` with ``spike``, or ``screen`` with the per-call watch.
+            ``screen``, or ``screen`` with the per-call watch.
 
     Example:
         >>> import torch, gradtap as gt

@@ -23,10 +23,11 @@ def measurable(g: Tensor) -> bool:
 BIG = 1 << 18
 
 
-def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = ()) -> np.ndarray:
+def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (),
+          vectors: Sequence[Tensor] = ()) -> np.ndarray:
     """L2 norm of each tensor (float32 accumulation at least), then the value of each 0-d
-    tensor in ``extra``, with one host copy per device (``host=True``: CPU tensors, read
-    directly)."""
+    tensor in ``extra``, then the elements of each 1-d tensor in ``vectors``, with one host
+    copy per device (``host=True``: CPU tensors, read directly)."""
     parts, order = [], []
     for idx in ops.group_by_device_dtype(tensors).values():
         parts.append(ops.group_norms([tensors[i] for i in idx]))
@@ -35,7 +36,12 @@ def norms(tensors: list[Tensor], host: bool = False, extra: Sequence[Tensor] = (
     for _, idx in ops.group_by_device_dtype(list(extra)).items():
         parts.append(torch.stack([extra[i] for i in idx]))
         order.append([n + i for i in idx])
-    out = np.empty(n + len(extra))
+    at = n + len(extra)
+    for v in vectors:
+        parts.append(v)
+        order.append(list(range(at, at + v.numel())))
+        at += v.numel()
+    out = np.empty(at)
     arrays = [p.numpy() for p in parts] if host else to_host(parts)
     for idx, arr in zip(order, arrays):
         out[idx] = arr

@@ -155,18 +155,28 @@ def loss_gradient_anomaly(step: int, rec: GradRecord, fwd_out: list[TensorStat])
         nan=bad.nan, inf=bad.inf, numel=math.prod(bad.shape))
 
 
-def spike_anomaly(step: int, plan: Plan, kinds: list[Spike], mean: float, spike: float
+def spike_anomaly(step: int, plan: Plan | None, kinds: list[Spike], mean: float, spike: float,
+                  *, module: tuple[str, list[str]] | None = None, note: str | None = None
                   ) -> Anomaly:
     """A norm over ``spike`` times its EWMA ``mean`` (``kinds``: the module's spikes, the one
-    reported first)."""
+    reported first). ``plan`` is the module's call (its record if kept); without one (a spike
+    the replay did not show), ``module`` gives its type name and direct parameter names.
+    ``note`` is added to the report's body."""
     _, name, kind, value, limit = kinds[0]
-    rec = plan.rec
-    label = describe_module(name, plan.type_name, plan.call, True)
+    rec = plan.rec if plan is not None else None
+    if plan is not None:
+        type_name, call = plan.type_name, plan.call
+        params = [k for k, _ in plan.params if "." not in k]
+        outs = [k for k, _ in plan.outs]
+    else:
+        assert module is not None
+        type_name, call, params, outs = module[0], None, module[1], []
+    label = describe_module(name, type_name, call, True)
     if kind == "grad_output":
-        slot = ",".join(k for k, _ in plan.outs)
+        slot = ",".join(outs)
         what = "output-gradient norm"
     else:
-        slot = ",".join(k for k, _ in plan.params if "." not in k)
+        slot = ",".join(params)
         what = "parameter-gradient norm"
     head = (f"Gradient spike in {label} at step {step}: its {what} ({slot}) is "
             f"{format_number(value)}, {value / mean if mean > 0 else math.inf:.3g}x its EWMA "
@@ -174,6 +184,8 @@ def spike_anomaly(step: int, plan: Plan, kinds: list[Spike], mean: float, spike:
             f"(threshold spike={spike:g} x EWMA = {format_number(limit)}).")
     body = [f"also: {'output-gradient' if k == 'grad_output' else 'parameter-gradient'} "
             f"norm {format_number(v)} > {format_number(lim)}" for _, _, k, v, lim in kinds[1:]]
+    if note:
+        body.append(note)
     if rec is not None:
         body += ["gradients of this call (ranges of finite elements):",
                  *grad_table(record_stats(rec))]
@@ -183,7 +195,7 @@ def spike_anomaly(step: int, plan: Plan, kinds: list[Spike], mean: float, spike:
     return Anomaly(
         module_name=name, kind="spike", where=kind,  # type: ignore[arg-type]
         step=step, record=rec, message=format_lines(head, body),
-        module_type=plan.type_name, slot=slot, call=plan.call, nan=0, inf=0,
+        module_type=type_name, slot=slot, call=call, nan=0, inf=0,
         value=value, threshold=limit)
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtap import _tensorops as ops
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
 from gradtap.capture import HookSet, OncePerBackward, argument_tensors, in_recomputation
@@ -112,6 +113,11 @@ class Screen:
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
         self.backward_checked = False  # a backward of this step was checked
+        # Set by the detector with spike=: the check reduces each parameter gradient to its
+        # L2 norm (instead of a finiteness flag per group, which the norms imply), and leaves
+        # ``(params, norms)`` of the last check of parameter gradients in ``param_norms``.
+        self.norms_mode = False
+        self.param_norms: tuple[list[tuple[str, Tensor]], np.ndarray] | None = None
         self._forward = _Pending()  # outputs since the last forward check
         self._grads = _Pending()  # gradients of the running backward
         self._open: list[RootCall | None] = []
@@ -214,7 +220,10 @@ class Screen:
         g = grad
         if g.requires_grad:  # create_graph=True: no graph for the check
             g = g.detach()
-        total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
+        if self.norms_mode:
+            total = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF else None)
+        else:
+            total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
         self._sums[id(p)] = (weakref.ref(grad), g._version, total)
 
     def _end_of_backward(self) -> None:
@@ -262,19 +271,42 @@ class Screen:
                 params, grad_groups, summed = self._param_grads()
         started = self._finite_at_start if backward else {}
         self._finite_at_start = {}
+        self.param_norms = None
         refs = [t for part in pending for t in part.refs]
         ranges = [t for part in pending for t in part.ranges]
         if not refs and not ranges and not params:
             return []
         with torch.no_grad():
             # The one host copy: the screened tensors' norms, then one flag per group of
-            # parameter gradients, the sums of those summed in backward, ranges, start flags.
-            flags = _host.nonfinite_flags(grad_groups)
+            # parameter gradients, the sums of those summed in backward, ranges, start flags;
+            # in norms mode, each parameter gradient's norm (those summed in backward: their
+            # norms) instead of the flags.
+            if self.norms_mode:
+                flags = []
+                vectors = [ops.group_norms(g) for g in grad_groups if g]
+            else:
+                flags = _host.nonfinite_flags(grad_groups)
+                vectors = []
             values = _host.norms(refs, extra=[*flags, *(s for _, s in summed), *ranges,
-                                              *started.values()])
+                                              *started.values()], vectors=vectors)
         first_param = len(refs)
-        flagged = values[first_param:first_param + len(flags)]
-        values = np.delete(values, np.s_[first_param:first_param + len(flags)])
+        if self.norms_mode:
+            n_norms = sum(len(g) for g in grad_groups)
+            grouped_norms = values[len(values) - n_norms:]
+            values = values[:len(values) - n_norms]
+            n_summed = len(summed)
+            if params:
+                self.param_norms = (params, np.concatenate(
+                    [grouped_norms, values[first_param:first_param + n_summed]]))
+            sizes = [len(g) for g in grad_groups if g]
+            starts = np.cumsum([0, *sizes[:-1]])
+            # A group is flagged when a norm is non-finite (or their sum overflows): the check
+            # below then looks at each of its gradients, as for the flags.
+            flagged = (~np.isfinite(np.add.reduceat(grouped_norms, starts)) if sizes
+                       else np.zeros(0, dtype=bool))
+        else:
+            flagged = values[first_param:first_param + len(flags)]
+            values = np.delete(values, np.s_[first_param:first_param + len(flags)])
         if not flagged.any() and math.isfinite(values.sum()):  # a healthy step
             if params:
                 self._bad_params.clear()

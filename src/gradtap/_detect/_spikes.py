@@ -1,4 +1,9 @@
-"""The spike tracker: per (module, kind) a step's norm against ``spike`` times its EWMA."""
+"""Spike trackers: per (module, kind) a step's norm against ``spike`` times its EWMA.
+
+:class:`SpikeTracker` serves the per-call watch (``replay=False``): parameter-gradient and
+grad_output norms from each call's record. :class:`ParamSpikes` serves the default watch:
+parameter-gradient norms read from ``.grad`` at the screen's check, no hook at all.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
 from gradtap._detect._measure import Backward, Plan, innermost
 
-__all__ = ["Spike", "SpikeTracker"]
+__all__ = ["ParamSpikes", "Spike", "SpikeTracker"]
 
 #: One spiking norm: (index of its plan, module name, kind, value, limit).
 Spike = tuple[int, str, str, float, float]
@@ -165,3 +171,127 @@ class SpikeTracker:
             self._var = torch.cat([self._var, var])
             self._count = np.concatenate([self._count, np.ones(len(new), np.int64)])
 
+
+
+class ParamSpikes:
+    """Parameter-gradient spikes of the default watch, with no hook: per selected module, the
+    norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
+
+    The screen, in its norms mode, reduces every parameter gradient to its L2 norm at its
+    check (one ``torch._foreach_norm`` per device and dtype, in place of its finiteness pass)
+    and reads them with its one host copy; :meth:`check` adds them up per module on the host.
+    :meth:`close_step` feeds the step's norms into the EWMAs, all
+    modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
+    its EWMA has ``warmup`` steps.
+    """
+
+    def __init__(self, selected: list[tuple[str, nn.Module]], spike: float, warmup: int,
+                 beta: float) -> None:
+        self.spike, self.warmup, self.beta = spike, warmup, beta
+        self.names: list[str] = []
+        self._index_of: dict[int, int] = {}  # id(parameter) -> its module's index
+        self._owner_of: dict[int, Tensor] = {}
+        for name, module in selected:
+            own = [p for _, p in module.named_parameters(recurse=False)
+                   if p.is_floating_point() and p.requires_grad and id(p) not in self._index_of]
+            if not own:
+                continue
+            for p in own:
+                self._index_of[id(p)] = len(self.names)
+                self._owner_of[id(p)] = p
+            self.names.append(name)
+        self._at = {name: i for i, name in enumerate(self.names)}
+        n = len(self.names)
+        # The EWMA state as numpy arrays and torch views of the same memory (ops.ewma_update_).
+        self._mean_t = torch.zeros(n, dtype=torch.float64)
+        self._var_t = torch.zeros(n, dtype=torch.float64)
+        self._new_t = torch.zeros(n, dtype=torch.float64)
+        self._mean, self._var = self._mean_t.numpy(), self._var_t.numpy()
+        self._new = self._new_t.numpy()
+        self._count = np.zeros(n, dtype=np.int64)
+        self._armed = np.zeros(n, dtype=bool)  # count >= max(warmup, 1): checked for spikes
+        self._all_armed = False
+        self._limit = np.full(n, np.inf)  # spike x mean once armed, else inf
+        self._values: np.ndarray | None = None  # this step's norms (the last check's), NaN: none
+        self._clean = False  # every module has a finite norm this step, none flagged
+        self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
+        # Per list of the screen's parameters: the positions of the watched ones (None: all),
+        # their modules' indices, and which modules have a norm.
+        self._owners: dict[tuple[int, ...], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
+
+    def ewma(self, name: str) -> tuple[float, float] | None:
+        """``(mean, var)`` of module ``name``'s parameter-gradient EWMA, None if it has none."""
+        i = self._at.get(name)
+        if i is None or self._count[i] == 0:
+            return None
+        return float(self._mean[i]), float(self._var[i])
+
+    def mean(self, name: str) -> float:
+        """The EWMA mean of module ``name``'s parameter-gradient norm (it has one)."""
+        return float(self._mean[self._at[name]])
+
+    def any_grad(self) -> bool:
+        """Whether a watched parameter has a gradient now."""
+        return any(p.grad is not None for p in self._owner_of.values())
+
+    def check(self, params: list[tuple[str, Tensor]], norms: np.ndarray) -> list[Spike]:
+        """Note the step's norms from the screen's ``params`` and the norms of their gradients
+        (one host copy, made by the screen); return the modules that spike and were not
+        flagged yet this step, in module order, as ``(module index, name, "param_grad",
+        value, limit)``."""
+        key = tuple([id(p) for _, p in params])
+        entry = self._owners.get(key)
+        n = len(self.names)
+        if entry is None:
+            owners = np.array([self._index_of.get(id(p), -1) for _, p in params], dtype=np.int64)
+            mine = owners >= 0
+            entry = self._owners[key] = (None if mine.all() else np.flatnonzero(mine),
+                                         owners[mine], np.bincount(owners[mine], minlength=n) > 0)
+        positions, owners, present = entry
+        if positions is not None:
+            norms = norms[positions]
+        values = np.sqrt(np.bincount(owners, weights=norms * norms, minlength=n))
+        if not present.all():
+            values[~present] = np.nan
+        self._values = values
+        hit = values > self._limit  # False for NaN and for modules not armed yet
+        if not hit.any() and np.isfinite(values[present]).all():
+            self._clean = not self._flagged.any() and bool(present.all())
+            return []
+        self._clean = False
+        self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
+        hit &= ~self._flagged
+        self._flagged |= hit
+        return [(int(i), self.names[i], "param_grad", float(values[i]), float(self._limit[i]))
+                for i in np.flatnonzero(hit)]
+
+    def close_step(self) -> None:
+        """Feed the step's norms into the EWMAs (vectorised) and start a new step."""
+        values, flagged, clean = self._values, self._flagged, self._clean
+        n = len(self.names)
+        self._values, self._clean = None, False
+        if values is None:
+            return
+        if clean and self._all_armed:  # the usual step: every norm, update in place
+            self._new[:] = values
+            ops.ewma_update_(self._mean_t, self._var_t, self._new_t, self.beta)
+            np.multiply(self._mean, self.spike, out=self._limit)
+            self._count += 1
+            return
+        self._flagged = np.zeros(n, dtype=bool)
+        use = np.isfinite(values) & ~flagged
+        if not use.any():
+            return
+        first = use & (self._count == 0)
+        self._mean[first] = values[first]
+        self._var[first] = 0.0
+        update = use & ~first
+        if update.any():
+            mean, var = torch.from_numpy(self._mean[update]), torch.from_numpy(self._var[update])
+            ops.ewma_update_(mean, var, torch.from_numpy(values[update]), self.beta)
+            self._mean[update] = mean.numpy()
+            self._var[update] = var.numpy()
+        self._count[use] += 1
+        self._armed = self._count >= max(self.warmup, 1)
+        self._all_armed = bool(self._armed.all())
+        self._limit = np.where(self._armed, self.spike * self._mean, np.inf)

@@ -82,6 +82,8 @@ class CallWatch(Listener):
         self.options = options or WatchOptions()
         self.step = step
         self.found: list[Found] = []
+        #: When a list: every backward's plans are appended to it (a spike replay reads them).
+        self.plans: list[Plan] | None = None
         #: Called at the end of each backward, after its check (the detector emits there).
         self.on_backward_end: Callable[[], None] | None = None
         self.selected = {name for name, _ in selected}
@@ -330,6 +332,8 @@ class CallWatch(Listener):
             for j, v, f in zip(pending, norms.tolist(), fin.tolist()):
                 back.norms[j], back.finite[j] = v, f
         back.tensors = []
+        if self.plans is not None:
+            self.plans += back.plans
         if not back.plans or not back.norms:
             return
         norms = np.array(back.norms)
