@@ -120,6 +120,8 @@ def test_explain_hf_encoder_decoder_gets_decoder_input_ids(capsys):
         (["--hf", "gpt2", "--task", "poetry"], r"--task: unknown task 'poetry'; expected auto or one of"),
         (["--hf", "gpt2", "--config", "n_layer=1,n_embd=30,n_head=4"],
          r"cannot build AutoModelForPreTraining for 'gpt2' .*divisible"),
+        (["--hf", "gpt2", "--config", "n_layer=2,n_embd=32"],
+         r"cannot build .*divisible by num_heads.* set n_head or num_attention_heads too"),
         (["--hf", "gpt2", "--config", GPT2, "--select", "h.9"], r"select='h\.9' matches no module"),
         (["--hf", "gpt2", "--input-shape", "2,3"], r"--input-shape does not apply to --hf"),
         (["--example", "convnet", "--config", "n_layer=2"], r"--config and --task go with --hf"),

@@ -222,9 +222,14 @@ def build_model(model_type: str, overrides: Mapping[str, Any] | None = None, tas
     try:
         model = auto.from_config(config)
     except Exception as err:  # noqa: BLE001 - e.g. sizes that do not fit together
+        hint = ""
+        if "divisible" in str(err) and "head" in str(err):
+            heads = sorted(k for k in _config_keys(type(config)) if "head" in k and "dim" not in k)
+            hint = (f" (a smaller hidden size needs fewer attention heads: set "
+                    f"{' or '.join(heads[:3]) or 'the number of heads'} too, e.g. 2)")
         raise HFModelError(
             f"cannot build {TASKS[task]} for {model_type!r} from config {overrides}: "
-            f"{type(err).__name__}: {err}"
+            f"{type(err).__name__}: {err}{hint}"
         ) from err
     return model.eval()
 
