@@ -1,9 +1,10 @@
 """Events not tied to one module call, for consumers that need no records: a ``HookSet``.
 
 Each method subscribes a function to one event: a parameter's gradient accumulated, the end
-of a backward that accumulated into some parameters, an optimizer step about to run, a call
-of a module starting or returning, a tensor's gradient computed. The functions receive
-tensors, never hooks or graph nodes, and the set removes every subscription at once.
+of a backward that accumulated into some parameters, an optimizer step about to run (of one
+optimizer or of any), a call of a module starting or returning, a tensor's gradient computed.
+The functions receive tensors, never hooks or graph nodes, and the set removes every
+subscription at once.
 """
 
 from __future__ import annotations
@@ -116,6 +117,18 @@ class HookSet:
                 fn(opt, args, kwargs)
 
         self._handles.append(optimizer.register_step_pre_hook(hook))
+
+    def any_optimizer_step_pre(self, fn: Callable[..., None]) -> None:
+        """Run ``fn(optimizer, args, kwargs)`` right before the ``step()`` of every
+        ``torch.optim.Optimizer`` of the process, made before or after this call (torch's
+        global optimizer pre-hook)."""
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._live():
+                fn(opt, args, kwargs)
+
+        self._handles.append(register_optimizer_step_pre_hook(hook))
 
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
                      after: Callable[[Any], None]) -> None:
