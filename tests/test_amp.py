@@ -18,13 +18,15 @@ import gradtap as gt
 SCALE = 1024.0
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # bfloat16 autocast on CPU; float16, the format GradScaler exists for, on CUDA.
+    kind = x.device.type
+    with torch.autocast(kind, dtype=torch.float16 if kind == "cuda" else torch.bfloat16):
         out = model(x)
     return out.float().pow(2).mean()
 
@@ -46,12 +48,13 @@ def _value(mon: gt.Monitor, step: int, name: str, stat: str) -> float:
 
 
 @pytest.mark.parametrize("where", ["before_unscale", "after_unscale", "after_step_update"])
-def test_monitor_sees_unscaled_gradients(where):
-    model = _model()
+def test_monitor_sees_unscaled_gradients(where, device):
+    model = _model(device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     mon = gt.Monitor(model, scaler=scaler)
-    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)).to(device)
+          for i in range(3)]
     for s, x in enumerate(xs):
         expected = _oracle(model, x)
         scaler.scale(_loss(model, x)).backward()
