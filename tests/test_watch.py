@@ -5,6 +5,7 @@ optimizer receives, and the same script run without gradtap gives the same outpu
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,12 +88,15 @@ def _printed(stdout: str, tag: str) -> list[dict[str, float]]:
 def _assert_norms(run_dir: Path, printed: list[dict[str, float]]) -> None:
     run = gt.open_run(run_dir)
     assert run.steps == list(range(len(printed)))
-    assert sorted(run.names) == sorted(printed[0])
+    assert sorted(n for n in run.names if n != "<scaler>") == sorted(printed[0])
     df = run.frame(stats="norm")
     for step, norms in enumerate(printed):
         for name, norm in norms.items():
             got = df[(df.step == step) & (df.name == name)].value.item()
-            assert got == pytest.approx(norm, rel=1e-6), (step, name)
+            if math.isinf(norm):
+                assert math.isinf(got) or math.isnan(got), (step, name)
+            else:
+                assert got == pytest.approx(norm, rel=1e-6), (step, name)
 
 
 def test_a_plain_script_runs_unchanged_and_every_optimizer_is_monitored(tmp_path, capfd,
@@ -260,3 +264,44 @@ def test_cli_usage_errors(tmp_path, capsys):
         main(["watch", "--help"])
     assert exit_.value.code == 0
     assert "gradtap watch [options] -- COMMAND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grad_scaler_steps_unscaled_and_the_skipped_overflow_step(tmp_path, monkeypatch, fused):
+    # What an AMP loop does, unmodified: scale, backward, (unscale_ to clip,) scaler.step,
+    # update. Step 0 overflows, so the scaler skips it (an unfused optimizer's step() is not
+    # even called): still one Monitor step, stored as an overflow.
+    monkeypatch.setenv(child.MAIN_ENV, str(os.getpid()))
+    monkeypatch.delenv("RANK", raising=False)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = (torch.optim.Adam(net.parameters(), lr=1e-3, fused=True) if fused
+           else torch.optim.SGD(net.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    original_step = torch.amp.GradScaler.step
+    child.install({"out": str(tmp_path / "run")})
+    try:
+        seen = []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(torch.randn(5, 3)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 0:
+                net[0].weight.grad[0, 0] = math.inf
+            scale = scaler.get_scale()
+            if not fused:
+                scaler.unscale_(opt)  # as a loop that clips does; the watch starts after it
+                scale = 1.0
+            seen.append({n: (p.grad / scale).norm().item() for n, p in net.named_parameters()})
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        child.uninstall()
+    assert torch.amp.GradScaler.step is original_step and "step" not in vars(scaler)
+    run = gt.open_run(tmp_path / "run")
+    assert run.steps == [0, 1, 2]
+    amp = run.frame(names="<scaler>")
+    assert amp[amp.stat == "nonfinite"].value.tolist() == [1.0, 0.0, 0.0]
+    assert amp[amp.stat == "amp_scale"].value.tolist() == [1024.0, 512.0, 512.0]
+    _assert_norms(tmp_path / "run", seen)

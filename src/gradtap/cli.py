@@ -128,16 +128,17 @@ def _parser() -> argparse.ArgumentParser:
         "watch", help="run an unmodified training script and monitor every optimizer it makes",
         usage="gradtap watch [options] -- COMMAND [ARGS...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run COMMAND (e.g. python train.py --lr 0.1) unchanged and monitor every "
-                    "torch.optim.Optimizer it creates: a Monitor over the parameters each "
-                    "optimizer holds, named as in the module that owns them, one Monitor step "
-                    "right before each optimizer step. The script's output and exit code are "
-                    "its own; worker processes and the user's sitecustomize keep working.",
-        epilog="DIR is a run store (gradtap report DIR, gradtap runs); a second optimizer "
-               "writes DIR/optimizer-1, and so on.\n"
-               "Only the main process writes (rank 0 under torch.distributed).\n"
-               "Python processes started with -I or -E (which ignore PYTHONPATH) are not "
-               "watched.\n\n"
+        description="Run COMMAND (e.g. python train.py --lr 0.1) unchanged and monitor every\n"
+                    "torch.optim.Optimizer it creates: a Monitor over the parameters each\n"
+                    "optimizer holds, named as in the module that owns them, one Monitor step\n"
+                    "right before each optimizer step (under a GradScaler: unscaled, and a\n"
+                    "step the scaler skips is stored as an overflow). The script's output and\n"
+                    "exit code are its own; worker processes and the user's sitecustomize\n"
+                    "keep working.",
+        epilog="DIR is a run store (gradtap report DIR, gradtap runs); a second optimizer\n"
+               "writes DIR/optimizer-1, and so on. Only the main process writes (rank 0\n"
+               "under torch.distributed). Python started with -I, -E or -S (which ignore\n"
+               "PYTHONPATH or sitecustomize) is not watched.\n\n"
                "example:\n  gradtap watch --report -- python train.py --epochs 3")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="run directory (default runs/watch-<time>); must not hold a run yet")

@@ -2,10 +2,13 @@
 steps, closed at exit.
 
 Started by the start-up code (:mod:`gradtap._watch.site`) once torch is imported. Nothing is
-done until an optimizer steps: at its first ``step()`` the optimizer's parameters are named
-by the modules that own them and its Monitor (and, with ``detect``, a detector that records
-and never skips) is made; from then on the Monitor closes one step right before each of the
-optimizer's steps, so its statistics are those of the gradients the optimizer receives.
+done until an optimizer steps: at its first ``step()`` (or ``scaler.step(optimizer)``) the
+optimizer's parameters are named by the modules that own them and its Monitor (and, with
+``detect``, a detector that records and never skips) is made; from then on the Monitor closes
+one step right before each of the optimizer's steps, so its statistics are those of the
+gradients the optimizer receives. Under a ``torch.amp.GradScaler`` the Monitor is given the
+scaler (unscaled statistics, fused optimizers included), and a step the scaler skips (no
+``optimizer.step()``) is still one Monitor step, stored as an overflow.
 
 Which processes write: the main process (the first one started under the watch), or, under
 ``torch.distributed``, every rank runs the Monitor (its statistics may need collectives) and
@@ -29,7 +32,7 @@ from torch import nn
 
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
-from gradtap.capture import HookSet
+from gradtap.capture import HookSet, ScalerWatch
 from gradtap.integrations._callback import unwrap
 from gradtap.report.data import write_anomalies
 from gradtap.select import select_parameters
@@ -64,12 +67,15 @@ def store_path(out: str | os.PathLike[str], index: int) -> Path:
 
 
 class _Watched:
-    """One optimizer's Monitor (and detector)."""
+    """One optimizer's Monitor (and detector, and the view of its grad scaler)."""
 
-    def __init__(self, monitor: Monitor, detector: Detector | None, path: Path) -> None:
+    def __init__(self, monitor: Monitor, detector: Detector | None, path: Path,
+                 amp: ScalerWatch | None) -> None:
         self.monitor = monitor
         self.detector = detector
         self.path = path
+        self.amp = amp
+        self.stepped = False  # optimizer.step() ran inside the current scaler.step()
 
     def step(self) -> None:
         self.monitor.step()
@@ -79,6 +85,8 @@ class _Watched:
     def close(self, status: str) -> None:
         try:
             self.monitor.close(status)
+            if self.amp is not None:
+                self.amp.remove()
         finally:
             if self.detector is not None:
                 self.detector.remove()
@@ -103,17 +111,51 @@ class _Watcher:
         self.open: list[_Watched] = []
         self.hooks = HookSet()
         self.hooks.any_optimizer_step_pre(self._before_step)
+        self.hooks.around_any_grad_scaler_step(self._before_scaler_step, self._after_scaler_step)
         atexit.register(self.close)
 
+    # Without a grad scaler, one Monitor step right before each optimizer.step(). Through
+    # scaler.step(optimizer), the same, and after a scaler.step() that skipped the optimizer
+    # (inf/NaN: optimizer.step() never ran) one Monitor step there, stored as an overflow.
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        watched = self._get(optimizer, None)
+        if watched is not None:
+            watched.stepped = True
+            self._guarded(watched.step)
+
+    def _before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer) and scaler.is_enabled():
+            watched = self._get(optimizer, scaler)
+            if watched is not None:
+                watched.stepped = False
+
+    def _after_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer) and scaler.is_enabled():
+            watched = self._get(optimizer, scaler)
+            if watched is not None and not watched.stepped:
+                self._guarded(watched.step)
+            if watched is not None:
+                watched.stepped = False
+
+    def _get(self, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None) -> _Watched | None:
+        """The optimizer's watch, made at its first step (``None``: not watched)."""
         if self.failed or os.getpid() != self.pid:  # a forked child steps nothing of ours
-            return
+            return None
         try:
             if optimizer not in self.watched:
-                self.watched[optimizer] = self._start(optimizer)
-            watched = self.watched[optimizer]
-            if watched is not None:
-                watched.step()
+                self.watched[optimizer] = self._start(optimizer, scaler)
+            return self.watched[optimizer]
+        except Exception as exc:
+            self._give_up(exc)
+            return None
+
+    def _guarded(self, fn: Any) -> None:
+        if self.failed:
+            return
+        try:
+            fn()
         except Exception as exc:
             self._give_up(exc)
 
@@ -123,7 +165,8 @@ class _Watcher:
         rank = os.environ.get("RANK")
         return self.main and rank in (None, "0")
 
-    def _start(self, optimizer: torch.optim.Optimizer) -> _Watched | None:
+    def _start(self, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler | None) -> _Watched | None:
         # A wrapper stepping an inner optimizer (Accelerate's): the inner one is watched.
         if isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             return None
@@ -148,22 +191,34 @@ class _Watcher:
         select: Any = self.select if everything or "grad_output" in self.kinds else (
             _Names(chosen, self.select, index))
         path = store_path(self.out, index)
-        # Under a GradScaler an unfused optimizer's step() receives unscaled gradients
-        # (scaler.step unscales first); a fused one receives them scaled, with the scale.
-        scaler = _the_scaler() if getattr(optimizer, "_step_supports_amp_scaling", False) else None
+        # First stepped through scaler.step(): the Monitor gets the scaler (unscaled
+        # statistics, fused optimizers included), told what the scaler did in this step
+        # already (the user's own unscale_ before scaler.step).
+        amp = None
+        if scaler is not None:
+            amp = ScalerWatch(scaler)
+            amp.sync(optimizer)
         kwargs: dict[str, Any] = {} if not self.stats else {"stats": self.stats}
-        monitor = Monitor(model, select, kinds=self.kinds, every=self.every, store=path,
-                          scaler=scaler, meta={"watch": {
-                              "command": list(sys.argv), "optimizer": type(optimizer).__name__,
-                              "index": index}}, **kwargs)
+        try:
+            monitor = Monitor(model, select, kinds=self.kinds, every=self.every, store=path,
+                              scaler=scaler, meta={"watch": {
+                                  "command": list(sys.argv),
+                                  "optimizer": type(optimizer).__name__, "index": index}},
+                              **kwargs)
+        except BaseException:
+            if amp is not None:
+                amp.remove()
+            raise
         detector = None
         if self.detect:
             try:
                 detector = detect(model, action="record", scaler=scaler)
             except BaseException:
                 monitor.close("failed")
+                if amp is not None:
+                    amp.remove()
                 raise
-        watched = _Watched(monitor, detector, path)
+        watched = _Watched(monitor, detector, path, amp)
         self.open.append(watched)
         return watched
 
@@ -258,10 +313,3 @@ class _Owners(nn.Module):
                 k += 1
                 name = f"{base}_{k}"
             self.add_module(name, m)
-
-
-def _the_scaler() -> torch.amp.GradScaler | None:
-    """The one enabled ``GradScaler`` alive in this process, if there is exactly one."""
-    scalers = [o for o in gc.get_objects()
-               if issubclass(type(o), torch.amp.GradScaler) and o.is_enabled()]
-    return scalers[0] if len(scalers) == 1 else None
