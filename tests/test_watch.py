@@ -122,7 +122,9 @@ def test_a_plain_script_runs_unchanged_and_every_optimizer_is_monitored(tmp_path
     _assert_norms(out / "optimizer-1", _printed(plain.stdout, "critic"))
     # The spawned process's optimizer is not the main process's: nothing else was written.
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["optimizer-1"]
-    assert gt.open_run(out).meta["status"] == "finished"
+    # sys.exit(3) is a failed run; the exit code is kept with it.
+    assert gt.open_run(out).meta["status"] == "failed"
+    assert gt.open_run(out / "optimizer-1").meta["exit_code"] == 3
 
 
 CRASH = """
@@ -151,7 +153,7 @@ def test_an_uncaught_exception_keeps_its_exit_code_and_the_report_is_written(tmp
     assert code == 1
     assert "RuntimeError: the script's own error" in err
     run = gt.open_run(out)
-    assert run.steps == [0, 1] and run.meta["status"] == "failed"
+    assert run.steps == [0, 1] and run.meta["status"] == "failed" and run.meta["exit_code"] == 1
     assert sorted(run.names) == ["2.bias", "2.weight"]
     assert sorted(run.frame().stat.unique()) == ["absmax", "norm"]
     assert (out / "report.html").is_file() and (out / "anomalies.json").is_file()

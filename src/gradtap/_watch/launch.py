@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from gradtap._watch import site
-from gradtap.store import DB_NAME
+from gradtap.store import DB_NAME, open_run, set_run_meta
 
 __all__ = ["WatchOptions", "run_watched", "run_dirs"]
 
@@ -69,7 +69,7 @@ def run_watched(command: Sequence[str], options: WatchOptions) -> int:
         code = _run(list(command), env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    _finish(options)
+    _finish(options, code)
     return code
 
 
@@ -91,12 +91,22 @@ def _run(command: list[str], env: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _finish(options: WatchOptions) -> None:
+def _finish(options: WatchOptions, code: int) -> None:
     dirs = run_dirs(options.out)
     if not dirs:
         print(f"gradtap watch: no optimizer step was watched; nothing written to {options.out}",
               file=sys.stderr)
         return
+    for d in dirs:
+        # How the command ended: a nonzero exit (sys.exit(1), a signal) is a failed run, and a
+        # run a killed process never closed is no longer running.
+        try:
+            ended: dict[str, Any] = {"exit_code": code}
+            if code != 0 or open_run(d).meta.get("status") == "running":
+                ended["status"] = "failed"
+            set_run_meta(d, **ended)
+        except Exception as exc:
+            print(f"gradtap watch: cannot record the exit code in {d} ({exc})", file=sys.stderr)
     if not options.report:
         return
     from gradtap.report import write_report
