@@ -198,6 +198,41 @@ def test_a_hugging_face_trainer_script(tmp_path, capfd, monkeypatch):
     assert not (tmp_path / "run" / "optimizer-1").exists()
 
 
+DDP = """
+import json, torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    torch.manual_seed(100 + 10 * step + rank)  # each rank its own batch
+    model(torch.randn(6, 4)).pow(2).mean().backward()
+    if rank == 0:  # the all-reduced gradients the optimizers receive
+        print("norms", json.dumps({n: p.grad.norm().item()
+                                   for n, p in model.module.named_parameters()}), flush=True)
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_torchrun_ranks_rank_0_writes_the_reduced_gradients(tmp_path, capfd, monkeypatch):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    out = tmp_path / "run"
+    code = main(["watch", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
+                 "--standalone", "--nproc-per-node", "2", str(script)])
+    printed = _printed(capfd.readouterr().out, "norms")
+    assert code == 0 and len(printed) == 3
+    _assert_norms(out, printed)  # names without DDP's "module."
+    assert gt.open_run(out).meta["world_size"] == 2
+
+
 # ------------------------------------------------------------------ in-process, no subprocess
 
 
