@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 # The tests run many tiny tensor ops; one intra-op thread is faster for those and keeps the
 # suite steady when other processes share the two cores.
 torch.set_num_threads(1)
+
+#: Why the CUDA parameter of ``device`` is skipped here (only ever because there is no GPU).
+NO_CUDA = "no CUDA GPU: torch.cuda.is_available() is false (run pytest -m cuda on a GPU machine)"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)])])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device a numerical test runs on: CPU, and CUDA when a GPU is present."""
+    return torch.device(request.param)

@@ -18,13 +18,15 @@ import gradtap as gt
 SCALE = 1024.0
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # bfloat16 autocast on CPU; float16, the format GradScaler exists for, on CUDA.
+    kind = x.device.type
+    with torch.autocast(kind, dtype=torch.float16 if kind == "cuda" else torch.bfloat16):
         out = model(x)
     return out.float().pow(2).mean()
 
@@ -46,12 +48,13 @@ def _value(mon: gt.Monitor, step: int, name: str, stat: str) -> float:
 
 
 @pytest.mark.parametrize("where", ["before_unscale", "after_unscale", "after_step_update"])
-def test_monitor_sees_unscaled_gradients(where):
-    model = _model()
+def test_monitor_sees_unscaled_gradients(where, device):
+    model = _model(device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     mon = gt.Monitor(model, scaler=scaler)
-    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)).to(device)
+          for i in range(3)]
     for s, x in enumerate(xs):
         expected = _oracle(model, x)
         scaler.scale(_loss(model, x)).backward()
@@ -119,17 +122,17 @@ def test_ewma_of_unscaled_gradients():
 
 @pytest.mark.parametrize("where", ["before_step", "after_step"])
 @pytest.mark.parametrize("overflow", [False, True])
-def test_fused_optimizer(where, overflow):
+def test_fused_optimizer(where, overflow, device):
     # A fused optimizer takes the scale itself: its step starts with scaled gradients and
     # writes the unscaled ones back, unless the scaler found an inf and it skipped the step.
-    model = _model(2)
+    model = _model(2, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     seen = {}
     opt.register_step_pre_hook(
         lambda o, a, k: seen.update(pre=float(model[2].weight.grad.double().norm())))
     mon = gt.Monitor(model, scaler=scaler)
-    x = torch.randn(8, 6)
+    x = torch.randn(8, 6).to(device)
     expected = _oracle(model, x)
     scaler.scale(_loss(model, x)).backward()
     if overflow:
@@ -152,13 +155,13 @@ def test_fused_optimizer(where, overflow):
     mon.close()
 
 
-def test_overflow_step_is_stored_with_its_scale():
-    model = _model(3)
+def test_overflow_step_is_stored_with_its_scale(device):
+    model = _model(3, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     mon = gt.Monitor(model, scaler=scaler)
     for s in range(2):
-        x = torch.randn(8, 6)
+        x = torch.randn(8, 6).to(device)
         scaler.scale(_loss(model, x)).backward()
         if s == 0:
             model[0].weight.grad[0, 0] = math.inf  # an fp16-style overflow

@@ -133,11 +133,11 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-def test_layer_records_match_oracle(kind):
+def test_layer_records_match_oracle(kind, device):
     make_module, make_input = LAYERS[kind]
     torch.manual_seed(0)
-    layer = make_module()
-    x = make_input()
+    layer = make_module().to(device)
+    x = make_input().detach().to(device).requires_grad_()
     weight = torch.randn_like(layer(x))
 
     def run():
@@ -147,7 +147,9 @@ def test_layer_records_match_oracle(kind):
     rec = t.records[0]
     assert rec.module_type == type(layer).__name__ and rec.call == 0
     assert set(rec.grad_inputs) == {"input"} and set(rec.grad_outputs) == {"output"}
-    assert_tap_changes_nothing(layer, run)
+    # Bit for bit on CPU; GPU kernels (cuDNN's weight gradients) may sum in another order on
+    # each run, so there the comparison is to float64 rounding.
+    assert_tap_changes_nothing(layer, run, exact=device.type == "cpu")
 
 
 def test_first_layer_records_without_input_grad():

@@ -168,14 +168,14 @@ def catch(fn) -> gt.Anomaly:
 # -- forward origin ---------------------------------------------------------------------------
 
 
-def test_sqrt_of_negative_in_the_middle_of_a_20_layer_net_is_the_forward_origin():
+def test_sqrt_of_negative_in_the_middle_of_a_20_layer_net_is_the_forward_origin(device):
     torch.manual_seed(0)
-    net = twenty_layers(10)
-    x = torch.randn(8, 16)
+    net = twenty_layers(10).to(device)
+    x = torch.randn(8, 16).to(device)
     index, fault_input = first_nonfinite_output(net, x)
     assert index == 10
     with gt.detect(net) as det:
-        a = catch(lambda: F.mse_loss(net(x), torch.zeros(8, 16)).backward())
+        a = catch(lambda: F.mse_loss(net(x), torch.zeros(8, 16, device=device)).backward())
     assert (a.module_name, a.module_type, a.kind, a.where, a.slot, a.step, a.call) == (
         "10", "SqrtOfInput", "nan", "forward", "output", 0, 0)
     assert det.anomalies == [a] and det.should_skip()

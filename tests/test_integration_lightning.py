@@ -134,3 +134,64 @@ def test_detect_skips_the_anomalous_step(tmp_path):
     assert all(v is not None for v in model.seen[2].values())
     df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
     assert (df[df.step == 1].value > 0).all() and (df[df.step != 1].value == 0).all()
+
+
+# ------------------------------------------------------------------------ mixed precision
+
+
+class Half(Tiny):
+    """Tiny with SGD (unfused) or Adam(fused=True): the gradients the optimizer used are
+    read after its step (unscaled by then in both cases)."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x).float() - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = (torch.optim.Adam(self.parameters(), lr=1e-3, fused=True) if self.fused
+               else torch.optim.SGD(self.parameters(), lr=1e-2))
+
+        def after_step(opt, args, kwargs):
+            self.seen.append({n: p.grad.norm().item() for n, p in self.named_parameters()})
+
+        opt.register_step_post_hook(after_step)
+        return opt
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_16_mixed_unscaled_norms_and_an_overflow_recorded_not_skipped(tmp_path, fused):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # Lightning's "16-mixed" on CPU with an explicit CPU GradScaler. Step 0's scale (2^40)
+    # overflows float16 in backward for sure; the back-off then makes it 2^10.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30)
+    model = Half(fused)
+    cb = GradtapCallback(detect=True)
+    trainer(tmp_path, cb, max_steps=4, enable_checkpointing=False,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]).fit(model, data())
+    run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
+    assert run.steps == [0, 1, 2, 3]
+    amp = run.frame(names="<scaler>")
+    flags = amp[amp.stat == "nonfinite"].value.tolist()
+    # 1 once the scaler checked (unfused: unscale_ ran before the hook); with a fused
+    # optimizer it checks inside step(), after the hook: the count of inf/NaN elements.
+    assert flags[0] == 1.0 if not fused else flags[0] >= 1.0
+    assert flags[1:] == [0.0, 0.0, 0.0]
+    assert amp[amp.stat == "amp_scale"].value.tolist()[:2] == [2.0 ** 40, 2.0 ** 10]
+    # The overflow is recorded, not counted as an anomaly that skips the step.
+    assert cb.overflows == [0] and cb.skipped == []
+    # (one per backward of the step's two micro-batches)
+    assert cb.anomalies and {(a.kind, a.step) for a in cb.anomalies} == {("overflow", 0)}
+    # The scaler skipped step 0 itself (an unfused optimizer's step() is not called, a fused
+    # one's is, with found_inf set); on steps 1-3 the Monitor's norms are those of the
+    # unscaled gradients the optimizer received.
+    assert len(model.seen) == (4 if fused else 3)
+    df = run.frame(stats="norm")
+    for step, seen in zip([1, 2, 3], model.seen[-3:]):
+        for name, norm in seen.items():
+            got = df[(df.step == step) & (df.name == name)].value.item()
+            assert got == pytest.approx(norm, rel=1e-5), (step, name)

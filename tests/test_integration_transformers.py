@@ -128,3 +128,43 @@ def test_detect_skips_the_anomalous_step(tmp_path):
     assert cb.anomalies and cb.anomalies[0].module_name.startswith("transformer.h.0.mlp")
     df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
     assert (df[df.step == 1].value > 0).any() and (df[df.step != 1].value == 0).all()
+
+
+def test_fp16_grad_scaler_unscaled_norms_and_an_overflow_recorded_not_skipped(tmp_path):
+    # Accelerate makes no GradScaler on CPU: the test gives the Trainer's accelerator a CPU
+    # one (Accelerate then scales the loss, unscales before clipping and steps through it).
+    # A forced overflow: an inf in one gradient of step 0's backward (float16 overflow is not
+    # reachable on CPU, where the gradients stay float32).
+    model = tiny_gpt2()
+    calls = []
+
+    def overflow(p):
+        calls.append(1)
+        if len(calls) == 1:
+            p.grad.fill_(math.inf)
+
+    model.transformer.wpe.weight.register_post_accumulate_grad_hook(overflow)
+    oracle = Oracle(model)
+    cb = GradtapCallback(detect=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+        report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        lr_scheduler_type="constant", save_strategy="no", max_grad_norm=0.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(),
+                                   callbacks=[cb], optimizers=(oracle.opt, None))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    trainer.train()
+    run = gt.open_run(tmp_path / "gradtap")
+    assert run.steps == [0, 1, 2]
+    amp = run.frame(names="<scaler>")
+    assert amp[amp.stat == "nonfinite"].value.tolist()[1:] == [0.0, 0.0]
+    assert amp[amp.stat == "nonfinite"].value.tolist()[0] >= 1.0
+    assert amp[amp.stat == "amp_scale"].value.tolist()[:2] == [2.0 ** 10, 2.0 ** 9]
+    assert cb.overflows == [0] and cb.skipped == []
+    assert {a.kind for a in cb.anomalies} <= {"overflow"}
+    assert len(oracle.seen) == 2  # the scaler skipped step 0's update
+    df = run.frame(stats="norm")
+    for step, seen in zip([1, 2], oracle.seen):
+        for name, norm in seen.items():
+            got = df[(df.step == step) & (df.name == name)].value.item()
+            assert got == pytest.approx(norm, rel=1e-5), (step, name)

@@ -19,6 +19,7 @@ FORBIDDEN = frozenset({
     "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
     "register_full_backward_pre_hook", "register_backward_hook",
     "register_step_pre_hook", "register_step_post_hook",
+    "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook",
     "register_module_forward_hook", "register_module_forward_pre_hook",
     "register_module_full_backward_hook",
     "queue_callback", "_execution_engine", "_current_graph_task_id", "_current_autograd_node",

@@ -200,6 +200,7 @@ def test_add_rows_puts_grouped_rows_back_in_order():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
+@pytest.mark.cuda
 def test_host_copy_one_transfer_per_device_on_gpu():
     copy = ops.HostCopy()
     handles = [copy.add(torch.full((3,), float(i), device="cuda")) for i in range(4)]

@@ -125,16 +125,17 @@ def test_param_grad_stats_and_ewma_match_numpy_loop(data, every, stats, beta):
         np.testing.assert_allclose(mon.ewma_var(name).numpy(), v, rtol=1e-9, atol=1e-300)
 
 
-def test_float32_training_stats_match_oracle_within_documented_tolerance():
+def test_float32_training_stats_match_oracle_within_documented_tolerance(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3))
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     expected = {}
     with gt.Monitor(model, stats=ALL_STATS) as mon:
         for step in range(3):
-            F.cross_entropy(model(torch.randn(32, 20)), torch.randint(0, 3, (32,))).backward()
+            x, y = torch.randn(32, 20), torch.randint(0, 3, (32,))
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
             for name, p in model.named_parameters():
-                g = p.grad.double().numpy()
+                g = p.grad.double().cpu().numpy()
                 for stat, value in oracle(g).items():
                     expected[(step, name, "param_grad", stat)] = (value, g)
             mon.step()

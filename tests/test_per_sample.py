@@ -349,9 +349,10 @@ def _mlp() -> nn.Module:
 
 @pytest.mark.parametrize("quantities", [ALL, ("norm", "variance"), ("second_moment", "snr")])
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_mlp(quantities: tuple, loss_reduction: str) -> None:
+def test_mlp(quantities: tuple, loss_reduction: str, device: torch.device) -> None:
     x, y = torch.randn(7, 5), torch.randint(0, 3, (7,))
-    run_and_check(_mlp(), x, y, quantities=quantities, loss_reduction=loss_reduction)
+    run_and_check(_mlp().to(device), x.to(device), y.to(device), quantities=quantities,
+                  loss_reduction=loss_reduction)
 
 
 def test_batch_of_one_and_results_readable_inside_the_block() -> None:

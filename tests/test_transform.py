@@ -622,10 +622,11 @@ def _assert_same_grads(net: nn.Module, ref: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("max_norm", [0.01, 1e3])
-def test_clip_global_norm_on_accumulate_matches_clip_grad_norm_after_backward(max_norm):
+def test_clip_global_norm_on_accumulate_matches_clip_grad_norm_after_backward(max_norm, device):
     # one backward per step, next to a per-tensor rule on the biases
-    batches = data(steps=3, micro=1, seed=5)
-    net, ref = SharedNet(), SharedNet()
+    batches = [[(x.to(device), y.to(device)) for x, y in micro]
+               for micro in data(steps=3, micro=1, seed=5)]
+    net, ref = SharedNet().to(device), SharedNet().to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     rules = {"*.weight": gt.clip_global_norm(max_norm), "*.bias": gt.scale(0.5)}

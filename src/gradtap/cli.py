@@ -1,5 +1,5 @@
-"""Command line: ``gradtap explain``, ``demo``, ``report``, ``runs`` (argument parsing and
-printing only; the work is done by library functions that return data).
+"""Command line: ``gradtap explain``, ``demo``, ``report``, ``runs``, ``watch`` (argument
+parsing and printing only; the work is done by library functions that return data).
 
 Exit codes: 0 success, 2 a usage error or a run directory that is missing or cannot be read
 (the message says which), 1 anything unexpected.
@@ -125,6 +125,42 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export_tensorboard)
 
     p = sub.add_parser(
+        "watch", help="run an unmodified training script and monitor every optimizer it makes",
+        usage="gradtap watch [options] -- COMMAND [ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run COMMAND (e.g. python train.py --lr 0.1) unchanged and monitor every\n"
+                    "torch.optim.Optimizer it creates: a Monitor over the parameters each\n"
+                    "optimizer holds, named as in the module that owns them, one Monitor step\n"
+                    "right before each optimizer step (under a GradScaler: unscaled, and a\n"
+                    "step the scaler skips is stored as an overflow). The script's output and\n"
+                    "exit code are its own; worker processes and the user's sitecustomize\n"
+                    "keep working.",
+        epilog="DIR is a run store (gradtap report DIR, gradtap runs); a second optimizer\n"
+               "writes DIR/optimizer-1, and so on. Only the main process writes (rank 0\n"
+               "under torch.distributed). Python started with -I, -E or -S (which ignore\n"
+               "PYTHONPATH or sitecustomize) is not watched.\n\n"
+               "example:\n  gradtap watch --report -- python train.py --epochs 3")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="run directory (default runs/watch-<time>); must not hold a run yet")
+    p.add_argument("--select", metavar="GLOB", default="*",
+                   help="parameters to watch by qualified name (default: all)")
+    p.add_argument("--stats", metavar="S,S", default=None,
+                   help="statistics, comma-separated (default norm,mean,std,absmax,nonfinite)")
+    p.add_argument("--kinds", metavar="K,K", default="param_grad",
+                   help="what to watch, comma-separated: param_grad (default), param, update, "
+                        "grad_cosine, grad_output")
+    p.add_argument("--every", type=_positive_int, default=1, metavar="K",
+                   help="compute every K optimizer steps (default 1)")
+    p.add_argument("--detect", action="store_true",
+                   help="also record NaN/Inf anomalies and their origin (DIR/anomalies.json); "
+                        "training is not changed")
+    p.add_argument("--report", action="store_true",
+                   help="write DIR/report.html when the command ends, however it ends")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the command to run, after --")
+    p.set_defaults(func=_cmd_watch)
+
+    p = sub.add_parser(
         "inspect", help="print the report stored in an anomaly dump",
         description="Print the report of a dump written by gt.detect(..., dump_dir=DIR) "
                     "(loaded safely, with weights_only=True).")
@@ -219,6 +255,47 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"run store: {result.run_dir / 'run.db'}")
     print(f"report:    {report}")
     return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    import time
+
+    from gradtap._watch.launch import WatchOptions, run_watched
+    from gradtap.store import DB_NAME
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise _CliError("no command to run; write it after --, e.g. "
+                        "gradtap watch -- python train.py")
+    out = args.out or f"runs/watch-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (Path(out) / DB_NAME).exists():
+        raise _CliError(f"{out} already holds a run; choose another --out")
+    stats = None if args.stats is None else [s.strip() for s in args.stats.split(",") if s.strip()]
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    _check_monitor_options(stats, kinds)
+    options = WatchOptions(out=out, select=args.select, stats=stats or [], kinds=kinds,
+                           every=args.every, detect=args.detect, report=args.report)
+    try:
+        return run_watched(command, options)
+    except (FileNotFoundError, PermissionError) as err:
+        print(f"gradtap watch: error: cannot run {command[0]!r}: {err.strerror}",
+              file=sys.stderr)
+        return 127 if isinstance(err, FileNotFoundError) else 126
+
+
+def _check_monitor_options(stats: list[str] | None, kinds: list[str]) -> None:
+    """Fail now, not at the script's first optimizer step, on unknown stats or kinds."""
+    from torch import nn
+
+    from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
+
+    try:
+        Monitor(nn.Linear(1, 1), stats=DEFAULT_STATS if stats is None else stats,
+                kinds=kinds).close()
+    except ValueError as err:
+        raise _CliError(str(err)) from err
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

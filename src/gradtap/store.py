@@ -26,7 +26,8 @@ from gradtap.errors import SelectionError, StoreError
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run"]
+__all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run",
+           "set_run_meta"]
 
 #: File name of the database inside a run directory.
 DB_NAME = "run.db"
@@ -193,6 +194,33 @@ class RunWriter:
         if self._conn is None:
             raise StoreError(f"the run store {str(self.path)!r} was closed")
         return self._conn
+
+
+def set_run_meta(path: str | os.PathLike[str], **items: Any) -> None:
+    """Insert or replace metadata keys of a run store no Monitor writes any more (e.g. how the
+    process that wrote it ended: ``status``, ``exit_code``).
+
+    Raises:
+        StoreError: ``path`` holds no run store.
+
+    Example:
+        >>> import tempfile, torch, gradtap as gt
+        >>> d = tempfile.mkdtemp()
+        >>> gt.Monitor(torch.nn.Linear(1, 1), store=d).close()
+        >>> set_run_meta(d, status="failed", exit_code=3)
+        >>> gt.open_run(d).meta["exit_code"]
+        3
+    """
+    db = Path(path) / DB_NAME
+    if not db.is_file():
+        raise StoreError(f"{os.fspath(path)!r} holds no {DB_NAME}")
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                             [(k, json.dumps(v)) for k, v in items.items()])
+    finally:
+        conn.close()
 
 
 def _now_iso() -> str:

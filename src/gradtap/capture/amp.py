@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
-__all__ = ["ScalerWatch", "check_scaler"]
+__all__ = ["ScalerWatch", "around_any_scaler_step", "check_scaler"]
 
 _METHODS = ("scale", "unscale_", "step", "update")
 
@@ -165,6 +166,38 @@ def _total(found: list[Tensor]) -> Tensor:
     return out.reshape(())
 
 
+def around_any_scaler_step(before: Callable[[Any, Any], None], after: Callable[[Any, Any], None],
+                           live: Callable[[], bool]) -> Callable[[], None]:
+    """Run ``before(scaler, optimizer)`` and ``after(scaler, optimizer)`` around every
+    ``torch.amp.GradScaler.step(optimizer)`` of the process while ``live()``; returns the
+    function that takes the wrapper off again.
+
+    A step the scaler skips for an inf/NaN never calls ``optimizer.step()``: this is where a
+    consumer that follows every optimizer of a process still sees it. The class's ``step`` is
+    wrapped (instances watched by :class:`ScalerWatch` call through it).
+    """
+    cls = torch.amp.GradScaler
+    original = cls.step
+
+    def step(self: torch.amp.GradScaler, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not live():
+            return original(self, optimizer, *args, **kwargs)
+        before(self, optimizer)
+        out = original(self, optimizer, *args, **kwargs)
+        after(self, optimizer)
+        return out
+
+    step.__wrapped__ = original  # type: ignore[attr-defined]
+    step.__doc__ = original.__doc__
+    cls.step = step  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if cls.__dict__.get("step") is step:
+            cls.step = original  # type: ignore[method-assign]
+
+    return restore
+
+
 _TRACKERS: weakref.WeakKeyDictionary[torch.amp.GradScaler, _Tracker] = weakref.WeakKeyDictionary()
 
 
@@ -222,6 +255,21 @@ class ScalerWatch:
         if t is not None and id(param) in t.fused:
             return t.fused[id(param)]
         return self.step_scale()
+
+    def sync(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take in what the scaler already did in this step to ``optimizer``'s gradients
+        before the first watch on it started (an ``unscale_``), so :meth:`factor` is right
+        for a watch made in the middle of a step."""
+        t = self._tracker
+        if t is None or not self.enabled:
+            return
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        if state is None or state["stage"] is OptState.READY:
+            return
+        t._note_found(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                t.unscaled.add(id(p))
 
     def found_inf(self) -> Tensor | None:
         """The number of optimizers (0-dim float32) whose gradients the scaler found inf/NaN in

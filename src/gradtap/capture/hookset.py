@@ -1,9 +1,10 @@
 """Events not tied to one module call, for consumers that need no records: a ``HookSet``.
 
 Each method subscribes a function to one event: a parameter's gradient accumulated, the end
-of a backward that accumulated into some parameters, an optimizer step about to run, a call
-of a module starting or returning, a tensor's gradient computed. The functions receive
-tensors, never hooks or graph nodes, and the set removes every subscription at once.
+of a backward that accumulated into some parameters, an optimizer step about to run (of one
+optimizer or of any), a grad scaler's step (of any), a call of a module starting or returning,
+a tensor's gradient computed. The functions receive tensors, never hooks or graph nodes, and
+the set removes every subscription at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtap.capture.amp import ScalerWatch
+from gradtap.capture.amp import ScalerWatch, around_any_scaler_step
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
 from gradtap.capture.replay import replay_running
 
@@ -117,6 +118,18 @@ class HookSet:
 
         self._handles.append(optimizer.register_step_pre_hook(hook))
 
+    def any_optimizer_step_pre(self, fn: Callable[..., None]) -> None:
+        """Run ``fn(optimizer, args, kwargs)`` right before the ``step()`` of every
+        ``torch.optim.Optimizer`` of the process, made before or after this call (torch's
+        global optimizer pre-hook)."""
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._live():
+                fn(opt, args, kwargs)
+
+        self._handles.append(register_optimizer_step_pre_hook(hook))
+
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
                      after: Callable[[Any], None]) -> None:
         """Run ``before(args, kwargs)`` and ``after(output)`` around each call of ``module``
@@ -166,6 +179,14 @@ class HookSet:
         watch = ScalerWatch(scaler)
         self._cleanups.append(watch.remove)
         return watch
+
+    def around_any_grad_scaler_step(self, before: Callable[[Any, Any], None],
+                                    after: Callable[[Any, Any], None]) -> None:
+        """Run ``before(scaler, optimizer)`` and ``after(scaler, optimizer)`` around every
+        ``torch.amp.GradScaler.step(optimizer)`` of the process (also the steps the scaler
+        skips, on which ``optimizer.step()`` never runs); see
+        :func:`gradtap.capture.amp.around_any_scaler_step`."""
+        self._cleanups.append(around_any_scaler_step(before, after, self._live))
 
     def add(self, handle: RemovableHandle) -> None:
         """Adopt a handle registered elsewhere in capture."""

@@ -66,6 +66,8 @@ class CallbackCore:
         self.monitor: Monitor | None = None
         self.detector: Detector | None = None
         self.skipped: list[int] = []
+        self.overflows: list[int] = []
+        self._scaler: torch.amp.GradScaler | None = None
         self._params: list[nn.Parameter] = []
         self._last_step = -1
         self._anomalies: list[Any] = []
@@ -78,23 +80,25 @@ class CallbackCore:
         return self.monitor is not None
 
     def start(self, model: nn.Module, default_dir: str | os.PathLike[str],
-              meta: dict[str, Any]) -> Monitor:
+              meta: dict[str, Any], scaler: torch.amp.GradScaler | None = None) -> Monitor:
         """Make the Monitor (and detector) over ``model``, writing to ``store`` or, when that
         is ``None``, to ``default_dir`` (a free ``gradtap-<step>`` beside it when a resumed
-        run would find the first run's store there)."""
+        run would find the first run's store there). ``scaler``: the trainer's
+        ``GradScaler`` under mixed precision (statistics of the unscaled gradients; a step
+        the scaler skips is an overflow, not an anomaly to skip)."""
         self.stop("finished")
         model = unwrap(model)
         state, self._pending_state = self._pending_state, None
         path = Path(self.store) if self.store is not None else Path(default_dir)
         if self.store is None and state is not None and (path / DB_NAME).exists():
             path = path.with_name(f"{path.name}-{int(state['step'])}")
+        self._scaler = scaler
         self.monitor = Monitor(model, self.select, self.stats, self.kinds, self.ewma,
-                               self.hist_bins, self.every, path, meta=meta)
-        # AMP: the trainer's GradScaler goes to this Monitor (and the detector) as scaler=.
+                               self.hist_bins, self.every, path, meta=meta, scaler=scaler)
         if state is not None:
             self.monitor.load_state_dict(state)
         if self.detect:
-            self.detector = detect(model, action="record")
+            self.detector = detect(model, action="record", scaler=scaler)
             self._params = [p for p in model.parameters() if p.requires_grad]
         return self.monitor
 
@@ -111,15 +115,24 @@ class CallbackCore:
 
     def verdict(self) -> bool:
         """Whether the detector found an anomaly since the last optimizer step, or the
-        gradients hold a NaN/Inf (the caller skips the update); closes the detector's step."""
+        gradients hold a NaN/Inf (the caller skips the update); closes the detector's step.
+
+        Under an enabled grad scaler a NaN/Inf in the gradients is an overflow: the scaler
+        skips that optimizer step itself, so it is listed in :attr:`overflows` (and recorded
+        by the Monitor and the detector), never skipped here.
+        """
         if self.detector is None:
             return False
         # The detector names an origin when it saw one; the gradients themselves decide too,
         # since a trainer's step may make a NaN outside any call of the model.
         grads = [p.grad for p in self._params if p.grad is not None]
-        skip = self.detector.should_skip() or (
-            bool(grads) and not bool(torch.stack([g.isfinite().all() for g in grads]).all()))
+        nonfinite = bool(grads) and not bool(
+            torch.stack([g.isfinite().all() for g in grads]).all())
+        scaled = self._scaler is not None and self._scaler.is_enabled()
+        skip = self.detector.should_skip() or (nonfinite and not scaled)
         self.detector.step()
+        if nonfinite and scaled:
+            self.overflows.append(self._last_step)
         if skip:
             self.skipped.append(self._last_step)
         return skip
@@ -132,9 +145,11 @@ class CallbackCore:
     def state_dict(self) -> dict[str, Any]:
         """The Monitor's state (or the one waiting for it), for the trainer's checkpoint."""
         if self.monitor is not None:
-            return {"monitor": self.monitor.state_dict(), "skipped": list(self.skipped)}
+            return {"monitor": self.monitor.state_dict(), "skipped": list(self.skipped),
+                    "overflows": list(self.overflows)}
         if self._pending_state is not None:
-            return {"monitor": self._pending_state, "skipped": list(self.skipped)}
+            return {"monitor": self._pending_state, "skipped": list(self.skipped),
+                    "overflows": list(self.overflows)}
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -146,6 +161,7 @@ class CallbackCore:
                                "starts")
         self._pending_state = state["monitor"]
         self.skipped = list(state.get("skipped", []))
+        self.overflows = list(state.get("overflows", []))
 
     def stop(self, status: str) -> None:
         """Close the Monitor, keeping its state for a checkpoint written afterwards."""

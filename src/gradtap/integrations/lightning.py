@@ -1,9 +1,9 @@
 """``GradtapCallback`` for Lightning (``pip install gradtap[lightning]``).
 
 One Monitor step per optimizer step, in ``on_before_optimizer_step``: after the last
-micro-batch of a gradient accumulation, before gradient clipping, and (with mixed precision
-and an unfused optimizer) after Lightning unscaled the gradients, so the statistics are those
-of the gradients the optimizer is about to apply, unclipped.
+micro-batch of a gradient accumulation and before gradient clipping, so the statistics are
+those of the gradients the optimizer is about to apply, unclipped (and, under mixed
+precision, unscaled: the Monitor is given the trainer's ``GradScaler``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -35,12 +37,17 @@ class GradtapCallback(Callback):  # type: ignore[misc]
     logger's version folder; ``default_root_dir`` without a logger).
 
     Statistics are taken in ``on_before_optimizer_step``: once per optimizer step after
-    gradient accumulation, before ``gradient_clip_val`` clips, and unscaled under
-    ``precision="16-mixed"`` (unfused optimizers). With ``detect=True`` a detector screens
-    every backward; on a step where it finds a NaN/Inf the gradients are set to ``None``
-    before the optimizer runs, so torch's optimizers leave the parameters and their state
-    (momentum, Adam's moments and step) unchanged; the anomalies are in :attr:`anomalies`
-    and the skipped steps in :attr:`skipped`. The learning-rate scheduler still steps.
+    gradient accumulation and before ``gradient_clip_val`` clips. Under
+    ``precision="16-mixed"`` the Monitor is given the precision plugin's ``GradScaler``
+    (``scaler=``): statistics are those of the unscaled gradients, fused optimizers
+    included, and each step stores the scale and whether the scaler found an overflow. With
+    ``detect=True`` a detector screens every backward; on a step where it finds a NaN/Inf
+    the gradients are set to ``None`` before the optimizer runs, so torch's optimizers leave
+    the parameters and their state (momentum, Adam's moments and step) unchanged; the
+    anomalies are in :attr:`anomalies` and the skipped steps in :attr:`skipped`. The
+    learning-rate scheduler still steps. Under the grad scaler an inf/NaN gradient is an
+    overflow that the scaler skips itself: recorded (``Anomaly(kind="overflow")``,
+    :attr:`overflows`), not counted in :attr:`skipped`.
 
     The callback's state (Monitor step count, EWMA, update/cosine snapshots) is saved in
     Lightning's checkpoints and restored by ``trainer.fit(..., ckpt_path=...)``: a resumed
@@ -81,11 +88,18 @@ class GradtapCallback(Callback):  # type: ignore[misc]
         """Steps whose optimizer update was skipped (``detect=True``)."""
         return list(self._core.skipped)
 
+    @property
+    def overflows(self) -> list[int]:
+        """Steps the grad scaler skipped for an inf/NaN gradient (``detect=True``)."""
+        return list(self._core.overflows)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir
+        # Under precision="16-mixed" the plugin's GradScaler: unscaled statistics.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._core.start(pl_module, Path(log_dir) / "gradtap",
-                         meta={"framework": "lightning"})
-        # AMP: pass getattr(trainer.precision_plugin, "scaler", None) as the Monitor's scaler.
+                         meta={"framework": "lightning"},
+                         scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:

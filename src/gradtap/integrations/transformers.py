@@ -47,6 +47,12 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
     unchanged; the anomalies are in :attr:`anomalies`, the skipped steps in :attr:`skipped`.
     The learning-rate scheduler and ``global_step`` still advance.
 
+    Under ``fp16=True`` the Monitor (and detector) is given Accelerate's ``GradScaler``
+    (``scaler=``): statistics are those of the unscaled gradients, and each step stores the
+    scale and whether the scaler found an overflow. An inf/NaN gradient under the scaler is
+    an overflow that the scaler skips itself: recorded (``Anomaly(kind="overflow")``,
+    :attr:`overflows`), not counted in :attr:`skipped`.
+
     The callback's state (Monitor step count, EWMA, update/cosine snapshots) is written as
     ``gradtap_state.pt`` into each checkpoint directory and read back by
     ``trainer.train(resume_from_checkpoint=...)`` from ``output_dir/checkpoint-<global_step>``
@@ -74,6 +80,7 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
         self._sync: Any = None
         self._hooks: HookSet | None = None
         self._stepped = False
+        self._scaler: torch.amp.GradScaler | None = None
 
     @property
     def monitor(self) -> Monitor | None:
@@ -90,6 +97,11 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
         """Steps whose optimizer update was skipped (``detect=True``)."""
         return list(self._core.skipped)
 
+    @property
+    def overflows(self) -> list[int]:
+        """Steps the grad scaler skipped for an inf/NaN gradient (``detect=True``)."""
+        return list(self._core.overflows)
+
     # The Trainer restores its state from a checkpoint after on_train_begin: the Monitor is
     # made at the first on_step_begin, when global_step is the resumed one.
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -97,6 +109,9 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
         self._model = model
         # Accelerate's gradient state says whether this backward is the step's last one.
         self._sync = getattr(optimizer, "gradient_state", None)
+        # Under fp16 mixed precision Accelerate's optimizer holds the run's GradScaler.
+        scaler = getattr(optimizer, "scaler", None)
+        self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._core.started or self._model is None:
@@ -105,9 +120,7 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
             self._load(args, state)
         model = unwrap(self._model)
         self._core.start(model, Path(args.output_dir) / "gradtap",
-                         meta={"framework": "transformers"})
-        # AMP: pass the Trainer's scaler (kwargs' optimizer.scaler, an AcceleratedOptimizer's)
-        # as the Monitor's scaler here.
+                         meta={"framework": "transformers"}, scaler=self._scaler)
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self._hooks = HookSet()
         self._hooks.after_accumulation([params], self._end_of_backward)
