@@ -25,7 +25,7 @@ from torch import nn
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
-__all__ = ["select_module_parameters", "select_modules", "select_parameters"]
+__all__ = ["select_module_parameters", "select_modules", "select_parameters", "unwrap"]
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ def select_modules(model: nn.Module, selector: Selector) -> list[tuple[str, nn.M
         >>> [name for name, _ in select_modules(net, nn.Linear)]
         ['0', '2']
     """
-    named = list(model.named_modules())
+    named = list(unwrap(model).named_modules())
     return _select(named, selector, what="module", type_of=lambda m: m)
 
 
@@ -74,6 +74,7 @@ def select_parameters(model: nn.Module, selector: Selector) -> list[tuple[str, n
         >>> [name for name, _ in select_parameters(net, "*.bias")]
         ['0.bias', '2.bias']
     """
+    model = unwrap(model)
     named = list(model.named_parameters())
     if isinstance(selector, type) or (
         isinstance(selector, tuple) and selector and all(isinstance(s, type) for s in selector)
@@ -117,6 +118,7 @@ def select_module_parameters(
         >>> [name for name, _ in select_module_parameters(net, nn.Linear)][:2]
         ['0.weight', '0.bias']
     """
+    model = unwrap(model)
     named_params = list(model.named_parameters())
     picked: set[int] = set()
     globs: list[str] | None = None
@@ -139,6 +141,35 @@ def select_module_parameters(
     else:
         picked.update(id(p) for _, m in select_modules(model, selector) for p in m.parameters())
     return [(n, p) for n, p in named_params if id(p) in picked]
+
+
+#: Attributes under which wrappers that add nothing of their own hold the user's model.
+_WRAPPED = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside ``DistributedDataParallel`` / ``DataParallel`` (``.module``), a
+    compiled model (``._orig_mod``) and FSDP1 or checkpoint wrappers, so that names carry no
+    wrapper prefix (``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``). FSDP2
+    (``fully_shard``) adds no wrapper and no prefix.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 3))
+        >>> unwrap(nn.DataParallel(net)) is net
+        True
+    """
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+            continue
+        inner = next((getattr(model, a) for a in _WRAPPED if isinstance(
+            getattr(model, a, None), nn.Module)), None)
+        if inner is None:
+            return model
+        model = inner
 
 
 def _select(
