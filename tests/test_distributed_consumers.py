@@ -125,6 +125,17 @@ def _ddp_worker(rank: int, world: int) -> dict:
     result["grad_is_global"] = float((net[0].weight.grad - _local_oracle(plain, x, y)["0.weight"])
                                      .abs().max())
 
+    # Transforms at when="step" on DDP's averaged gradients: no communication of their own.
+    seen, calls = _count_all_reduce(
+        lambda: _transform_steps(ddp, {"*": gt.clip_global_norm(0.05)}, world, rank, inner=net))
+    result["clip_global_norm"], result["clip_global_norm_all_reduce"] = seen[0], calls
+    seen = _transform_steps(ddp, {"*": gt.clip_norm(0.03)}, world, rank, inner=net)
+    result["clip_norm"] = seen[0]
+    try:
+        gt.transform(ddp, {"*": gt.clip_norm(1.0)})
+    except ValueError as err:
+        result["accumulate_refused"] = str(err)
+
     # detect: a NaN planted on rank 1 only (a negative input of Sqrt), found by a replay of
     # the inner module (no DDP collectives in the replay); every rank skips.
     torch.manual_seed(1)
@@ -165,6 +176,9 @@ def test_ddp_records_detect_agreement_and_replay():
         assert max(tap["errors"].values()) < 1e-6, (rank, tap["errors"])
         assert r["grad_is_global"] > 1e-4  # .grad holds the mean over ranks, not the record
         assert r["healthy"] == {"skip": False, "all_reduce": [2], "anomalies": 0}
+        _check_clipped(r, rank)
+        assert r["clip_global_norm_all_reduce"] == []
+        assert "when='step'" in r["accumulate_refused"]
         assert r["skip"] is True, rank
         found = [a for a in r["anomalies"] if a["rank"] == 1]
         assert len(found) == 1, r["anomalies"]
@@ -191,12 +205,15 @@ def _shard(net: nn.Module, world: int) -> nn.Module:
 
 
 def _full_grads(net: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor() for n, p in net.named_parameters()}
+    """Whole gradients (a sharded one gathered: the test's own all-gather)."""
+    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            for n, p in net.named_parameters()}
 
 
-def _fsdp_step(net, handle_rules, world, rank, steps=1, opt_lr=0.0):
+def _transform_steps(net, handle_rules, world, rank, steps=1, opt_lr=0.0, inner=None):
     """Run ``steps`` steps under a when='step' transform; the full gradients after each."""
-    opt = torch.optim.SGD(net.parameters(), lr=opt_lr)
+    inner = net if inner is None else inner
+    opt = torch.optim.SGD(inner.parameters(), lr=opt_lr)
     seen = []
     with gt.transform(net, handle_rules, when="step", optimizer=opt):
         for s in range(steps):
@@ -205,7 +222,7 @@ def _fsdp_step(net, handle_rules, world, rank, steps=1, opt_lr=0.0):
             opt.zero_grad()
             _loss(net(x), y).backward()
             opt.step()
-            seen.append(_full_grads(net))
+            seen.append(_full_grads(inner))
     return seen
 
 
@@ -224,15 +241,15 @@ def _fsdp_worker(rank: int, world: int) -> dict:
 
     # Transforms at when="step" on the sharded gradients.
     def global_clip():
-        return _fsdp_step(net, {"*": gt.clip_global_norm(0.05)}, world, rank)
+        return _transform_steps(net, {"*": gt.clip_global_norm(0.05)}, world, rank)
     seen, calls = _count_all_reduce(global_clip)
     result["clip_global_norm"] = seen[0]
     result["clip_global_norm_all_reduce"] = calls
-    seen, calls = _count_all_reduce(lambda: _fsdp_step(net, {"*": gt.clip_norm(0.03)}, world, rank))
+    seen, calls = _count_all_reduce(lambda: _transform_steps(net, {"*": gt.clip_norm(0.03)}, world, rank))
     result["clip_norm"] = seen[0]
     result["clip_norm_all_reduce"] = calls
     rules = {"*.weight": gt.centralize(), "*.bias": gt.normalize(beta=0.5)}
-    result["centralize_normalize"] = _fsdp_step(net, rules, world, rank, steps=2)
+    result["centralize_normalize"] = _transform_steps(net, rules, world, rank, steps=2)
     try:
         gt.transform(net, {"*": gt.clip_norm(1.0)})
     except ValueError as err:
@@ -265,23 +282,29 @@ def _close(got, want, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+def _check_clipped(r: dict, rank: int) -> None:
+    """clip_global_norm(0.05) and clip_norm(0.03) against one process on the whole batch."""
+    ref = _one_process_grads()
+    total = torch.sqrt(sum(g.double().square().sum() for g in ref.values()))
+    assert float(total) > 0.05 and max(float(g.norm()) for g in ref.values()) > 0.03
+    for n, g in ref.items():
+        _close(r["clip_global_norm"][n], g * min(1.0, 0.05 / (float(total) + 1e-6)),
+               f"clip_global_norm {n} rank {rank}")
+        _close(r["clip_norm"][n], g * min(1.0, 0.03 / (float(g.norm()) + 1e-6)),
+               f"clip_norm {n} rank {rank}")
+
+
 @needs_gloo
 def test_fsdp2_records_transforms_and_detect():
     out = run_ranks(_fsdp_worker, 2, timeout=150)
     ref = _one_process_grads()
-    total = torch.sqrt(sum(g.double().square().sum() for g in ref.values()))
-    clipped = {n: g * min(1.0, 0.05 / (float(total) + 1e-6)) for n, g in ref.items()}
-    per_tensor = {n: g * min(1.0, 0.03 / (float(g.norm()) + 1e-6)) for n, g in ref.items()}
-    assert float(total) > 0.05 and max(float(g.norm()) for g in ref.values()) > 0.03
     for rank, r in enumerate(out):
         tap = r["tap"]
         assert tap["names"] == ["0", "2"]
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
                                  "2.bias": [3]}
         assert max(tap["errors"].values()) < 1e-6, (rank, tap["errors"])
-        for n in ref:
-            _close(r["clip_global_norm"][n], clipped[n], f"clip_global_norm {n} rank {rank}")
-            _close(r["clip_norm"][n], per_tensor[n], f"clip_norm {n} rank {rank}")
+        _check_clipped(r, rank)
         # One all-reduce for all the sums of squares (the test's own full_tensor() gathers
         # are all-gathers, and FSDP2's own are reduce-scatters).
         assert r["clip_global_norm_all_reduce"] == [4]
