@@ -255,6 +255,8 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     except ValueError as err:
         result["accumulate_refused"] = str(err)
 
+    result["placements"] = _placements(world)
+
     # detect: a NaN planted on rank 1 only; both skip; no replay (it would all-gather on one
     # rank), the report comes from the screen.
     with gt.detect(net, action="record") as det:
@@ -268,6 +270,27 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     result["anomalies"] = [a.to_dict() for a in det.anomalies]
     _settle(net)
     return result
+
+
+def _placements(world: int) -> dict:
+    """Whole-tensor sums of squares and row means of DTensors placed otherwise than FSDP2's
+    default: replicated x sharded (HSDP: the copy is not counted twice), sharded by columns
+    (row means need the other ranks), against the plain tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gradtap._tensorops.sharded import centered_rows, sumsq_whole
+
+    torch.manual_seed(3)
+    t = torch.randn(7, 5)
+    hsdp = distribute_tensor(t, init_device_mesh("cpu", (world, 1)), [Replicate(), Shard(0)])
+    cols = distribute_tensor(t, init_device_mesh("cpu", (world,)), [Shard(1)])
+    (clipped,), _ = gt.clip_global_norm(1.0).update_many([hsdp], [()], [None])
+    return {"want_sumsq": float(t.double().square().sum()),
+            "sumsq": sumsq_whole([hsdp, cols]).tolist(),
+            "centered": float((centered_rows(cols).full_tensor()
+                               - (t - t.mean(dim=1, keepdim=True))).abs().max()),
+            "clipped": float((clipped.full_tensor() - t / t.norm()).abs().max())}
 
 
 def _one_process_grads(step: int = 0) -> dict[str, torch.Tensor]:
@@ -313,6 +336,9 @@ def test_fsdp2_records_transforms_and_detect():
         assert r["skip"] is True
         found = [a for a in r["anomalies"] if a["rank"] == 1]
         assert len(found) == 1 and found[0]["kind"] == "nan", r["anomalies"]
+        pl = r["placements"]
+        assert pl["sumsq"] == pytest.approx([pl["want_sumsq"]] * 2, rel=1e-6)
+        assert pl["centered"] < 1e-6 and pl["clipped"] < 1e-6
     # centralize (weights) and normalize's EWMA (biases, kept sharded) over two steps.
     steps = [_one_process_grads(0), _one_process_grads(1)]
     for n in ref:
