@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from gradtap._tensorops.groups import group_by_device_dtype
 from gradtap._tensorops.l2 import group_sumsq
+
+_T = TypeVar("_T", bound=Tensor | None)
 
 __all__ = ["all_ranks_max", "centered_rows", "is_sharded", "local", "rebuild", "sumsq_whole",
            "world"]
@@ -38,9 +40,10 @@ def is_sharded(t: object) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def local(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: the local shard of a ``DTensor``, else ``t`` itself."""
-    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+def local(t: _T) -> _T:
+    """This rank's part of ``t``: the local shard of a ``DTensor``, else ``t`` itself (None
+    stays None)."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[union-attr]
 
 
 def rebuild(like: Tensor, part: Tensor) -> Tensor:
