@@ -1,6 +1,7 @@
-"""tap, detect and transform under DDP and FSDP2: two gloo ranks on CPU, each checked against
-one process (the same rank's samples on the unwrapped model for records, the concatenated
-batch for transforms). One spawn per wrapper; each runs several checks."""
+"""tap, per_sample, detect and transform under DDP and FSDP2: two gloo ranks on CPU, each
+checked against one process (the same rank's samples on the unwrapped model for records and
+per-sample gradients, the concatenated batch for transforms). One spawn per wrapper; each
+runs several checks."""
 
 from __future__ import annotations
 
@@ -75,6 +76,19 @@ def _compare_records(t: gt.Tap, oracle: dict[str, torch.Tensor]) -> dict:
             "shapes": shapes}
 
 
+def _per_sample_error(model: nn.Module, plain: nn.Module, x, y) -> dict:
+    """per_sample on the wrapped model against a loop over this rank's samples, unwrapped."""
+    with gt.per_sample(model, quantities=("grad",)) as p:
+        _loss(model(x), y).backward()
+    errors = {}
+    for i in range(len(x)):
+        grads = torch.autograd.grad(_loss(plain(x[i:i + 1]), y[i:i + 1]),
+                                    list(plain.parameters()))
+        for (n, _), g in zip(plain.named_parameters(), grads):
+            errors[n] = max(errors.get(n, 0.0), float((p.grad[n][i] - g).abs().max()))
+    return errors
+
+
 def _count_all_reduce(fn):
     """Run ``fn()`` and count the all-reduces it issued."""
     import torch.distributed as dist
@@ -124,6 +138,8 @@ def _ddp_worker(rank: int, world: int) -> dict:
     # .grad is the all-reduced mean: differs from the local contribution (the check can fail).
     result["grad_is_global"] = float((net[0].weight.grad - _local_oracle(plain, x, y)["0.weight"])
                                      .abs().max())
+    ddp.zero_grad()
+    result["per_sample"] = _per_sample_error(ddp, plain, x, y)
 
     # Transforms at when="step" on DDP's averaged gradients: no communication of their own.
     seen, calls = _count_all_reduce(
@@ -174,6 +190,8 @@ def test_ddp_records_detect_agreement_and_replay():
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
                                  "2.bias": [3]}
         assert max(tap["errors"].values()) < 1e-6, (rank, tap["errors"])
+        assert sorted(r["per_sample"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert max(r["per_sample"].values()) < 1e-6, r["per_sample"]
         assert r["grad_is_global"] > 1e-4  # .grad holds the mean over ranks, not the record
         assert r["healthy"] == {"skip": False, "all_reduce": [2], "anomalies": 0}
         _check_clipped(r, rank)
@@ -237,6 +255,8 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     with gt.tap(net, nn.Linear) as t:
         _loss(net(x), y).backward()
     result["tap"] = _compare_records(t, _local_oracle(plain, x, y))
+    net.zero_grad()
+    result["per_sample"] = _per_sample_error(net, plain, x, y)
     net.zero_grad()
 
     # Transforms at when="step" on the sharded gradients.
@@ -341,6 +361,8 @@ def test_fsdp2_records_transforms_and_detect():
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
                                  "2.bias": [3]}
         assert max(tap["errors"].values()) < 1e-6, (rank, tap["errors"])
+        assert sorted(r["per_sample"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert max(r["per_sample"].values()) < 1e-6, r["per_sample"]
         _check_clipped(r, rank)
         # One all-reduce for all the sums of squares (the test's own full_tensor() gathers
         # are all-gathers, and FSDP2's own are reduce-scatters).
