@@ -177,6 +177,19 @@ def _ddp_worker(rank: int, world: int) -> dict:
         det.step()
     result["anomalies"] = [a.to_dict() | {"has_record": a.record is not None}
                            for a in det.anomalies]
+
+    # action="raise": no rank raises from its backward (the other would wait in the next
+    # collective); every rank raises at the agreement, with the finding rank's anomaly first.
+    raised = []
+    with gt.detect(ddp2, action="raise") as det:
+        ddp2.zero_grad()
+        _loss(ddp2(bad), y).backward()
+        try:
+            det.should_skip()
+        except gt.GradientAnomaly as err:
+            raised.append(err.anomaly.rank)
+        det.step()
+    result["raised"] = raised
     _settle(ddp, ddp2)
     return result
 
@@ -201,6 +214,7 @@ def test_ddp_records_detect_agreement_and_replay():
         found = [a for a in r["anomalies"] if a["rank"] == 1]
         assert len(found) == 1, r["anomalies"]
         assert found[0]["kind"] == "nan" and found[0]["where"] == "forward"
+    assert [r["raised"] for r in out] == [[1], [1]]
     mine = [a for a in out[1]["anomalies"] if a["rank"] == 1][0]
     # Rank 1's replay of the inner module named the origin.
     assert (mine["module_name"], mine["slot"], mine["has_record"]) == ("1", "output", True)
@@ -390,3 +404,28 @@ def test_fsdp2_records_transforms_and_detect():
         for rank, r in enumerate(out):
             for s in range(2):
                 _close(r["centralize_normalize"][s][n], want[s], f"{n} step {s} rank {rank}")
+
+
+def test_wrappers_add_no_prefix_to_names():
+    """Selectors see the module inside DataParallel and a compiled model (one process)."""
+
+    class Compiled(nn.Module):  # holds the model as torch.compile's wrapper does
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, x):
+            return self._orig_mod(x)
+
+    net = _mlp()
+    for wrapped in (nn.DataParallel(net), Compiled(net)):
+        with gt.tap(wrapped, nn.Linear) as t:
+            assert t.names == ["0", "2"]
+        h = gt.transform(wrapped, {"0.*": gt.scale(2.0)})
+        assert list(h.plan()) == ["0.weight", "0.bias"]
+        h.remove()
+    with gt.detect(net, action="record") as det:
+        net[0].bias.data[0] = float("nan")
+        _loss(net(torch.randn(2, 5)), torch.zeros(2, 3)).backward()
+        assert det.should_skip()
+    assert [a.rank for a in det.anomalies] == [0]
