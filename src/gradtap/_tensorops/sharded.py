@@ -174,5 +174,8 @@ def all_ranks_max(values: Tensor) -> Tensor:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return values
-    return _all_reduce(values.clone(), dist.ReduceOp.MAX)
+    buf = values.clone()
+    if "nccl" in str(dist.get_backend()).lower() and buf.device.type == "cpu":
+        buf = buf.to(torch.device("cuda", torch.cuda.current_device()))  # NCCL: CUDA only
+    return _all_reduce(buf, dist.ReduceOp.MAX).to(values.device)
 
