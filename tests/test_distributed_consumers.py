@@ -409,7 +409,8 @@ def test_fsdp2_records_transforms_and_detect():
 def test_wrappers_add_no_prefix_to_names():
     """Selectors see the module inside DataParallel and a compiled model (one process)."""
 
-    class Compiled(nn.Module):  # holds the model as torch.compile's wrapper does
+    class OptimizedModule(nn.Module):  # torch.compile's wrapper, as its name and attribute
+        # say (the real one needs torch._dynamo, slow to import)
         def __init__(self, inner):
             super().__init__()
             self._orig_mod = inner
@@ -418,7 +419,7 @@ def test_wrappers_add_no_prefix_to_names():
             return self._orig_mod(x)
 
     net = _mlp()
-    for wrapped in (nn.DataParallel(net), Compiled(net)):
+    for wrapped in (nn.DataParallel(net), OptimizedModule(net)):
         with gt.tap(wrapped, nn.Linear) as t:
             assert t.names == ["0", "2"]
         h = gt.transform(wrapped, {"0.*": gt.scale(2.0)})

@@ -34,7 +34,7 @@ from gradtap._tensorops.sharded import all_ranks_max, is_sharded, world
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler
 from gradtap.errors import GradientAnomaly
-from gradtap.select import select_modules, unwrap
+from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Detector", "detect"]
 
@@ -72,7 +72,7 @@ class Detector:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
         # Under DDP the inner module is watched and replayed: its forward has no collectives.
-        model = unwrap(model)
+        model = unwrap_model(model)
         check_scaler(scaler, "detect")
         if action not in _ACTIONS:
             raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "

@@ -21,7 +21,7 @@ from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.capture import HookSet, Tap, check_scaler
-from gradtap.select import unwrap
+from gradtap.select import unwrap_model
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -57,7 +57,7 @@ class TransformHandle:
         check_scaler(scaler, "transform")
         if isinstance(model, nn.Module):
             _check_ddp(model, when, on)
-            model = unwrap(model)  # DDP's .module, a compiled model's original: no prefixes
+            model = unwrap_model(model)  # DDP's .module, a compiled model's original: no prefixes
         self._plan = make_plan(model, rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
