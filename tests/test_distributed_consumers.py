@@ -73,7 +73,7 @@ def _compare_records(t: gt.Tap, oracle: dict[str, torch.Tensor]) -> dict:
         errors[f"{r.module_name}:output"] = float(
             (r.grad_outputs["output"] - oracle[f"{r.module_name}:output"]).abs().max())
     return {"names": sorted({r.module_name for r in t.records}), "errors": errors,
-            "shapes": shapes}
+            "shapes": shapes, "types": sorted({r.module_type for r in t.records})}
 
 
 def _per_sample_error(model: nn.Module, plain: nn.Module, x, y) -> dict:
@@ -371,7 +371,7 @@ def test_fsdp2_records_transforms_and_detect():
     ref = _one_process_grads()
     for rank, r in enumerate(out):
         tap = r["tap"]
-        assert tap["names"] == ["0", "2"]
+        assert tap["names"] == ["0", "2"] and tap["types"] == ["Linear"]  # not FSDPLinear
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
                                  "2.bias": [3]}
         assert max(tap["errors"].values()) < 1e-6, (rank, tap["errors"])

@@ -24,7 +24,7 @@ class ModuleInfo:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module_ref = weakref.ref(module)
-        self.type_name = type(module).__name__
+        self.type_name = user_class(module).__name__
         named = list(module.named_parameters())
         self.param_names = [n for n, _ in named]
         self.param_by_id = {id(p): n for n, p in named}
@@ -41,6 +41,23 @@ class ModuleInfo:
         if index < len(self.positional):
             return self.positional[index]
         return f"{self.varargs or 'args'}.{index - len(self.positional)}"
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's own class, not the subclass ``fully_shard`` (``FSDPLinear``) or the
+    composable ``replicate`` made of it at run time.
+
+    Example:
+        >>> import torch
+        >>> user_class(torch.nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    cls = type(module)
+    bases = cls.__bases__
+    if (len(bases) == 2 and cls.__name__.endswith(bases[1].__name__)
+            and bases[0].__name__ in ("FSDPModule", "ReplicateModule", "DDP")):
+        return bases[1]
+    return cls
 
 
 def _has_dtensor(params: Iterable[Tensor]) -> bool:
