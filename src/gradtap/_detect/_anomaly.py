@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from gradtap._tensorops.sharded import local
 from gradtap._text import format_number, format_table
 from gradtap.record import GradRecord
 
@@ -58,6 +59,11 @@ class Anomaly:
         value: for a spike, the norm that spiked.
         threshold: for a spike, ``spike * EWMA`` it exceeded.
         dump_path: the dump file written for it (``dump_dir``), else ``None``.
+        rank: the ``torch.distributed`` rank where it was found (0 without a process
+            group). Under DDP or FSDP2 ranks agree: a rank that found nothing itself while
+            rank ``r`` did records one anomaly with ``rank=r``, the kind and ``where`` rank
+            ``r`` found, ``module_name`` ``"<rank r>"`` and ``record=None`` (the report is
+            on rank ``r``).
     """
 
     module_name: str
@@ -75,6 +81,7 @@ class Anomaly:
     value: float | None = None
     threshold: float | None = None
     dump_path: str | None = None
+    rank: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but ``record``, as plain Python values (JSON-serialisable)."""
@@ -114,8 +121,9 @@ class TensorStat(NamedTuple):
 
 
 def exact_stat(t: Tensor, role: str, key: str) -> TensorStat:
-    """Counts of NaN/Inf and the range of the finite elements of a tensor we still hold."""
-    t = t.detach()
+    """Counts of NaN/Inf and the range of the finite elements of a tensor we still hold
+    (of this rank's shard, for a sharded tensor)."""
+    t = local(t.detach())
     shape = tuple(t.shape)
     if not t.is_floating_point() or t.numel() == 0:
         return TensorStat(role, key, t.dtype, shape, math.nan, math.nan, 0, 0)

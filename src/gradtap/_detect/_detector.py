@@ -30,10 +30,11 @@ from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, Spike, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
+from gradtap._tensorops.sharded import all_ranks_max, is_sharded, world
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler
 from gradtap.errors import GradientAnomaly
-from gradtap.select import select_modules
+from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Detector", "detect"]
 
@@ -41,6 +42,9 @@ ActionLiteral = Literal["raise", "warn", "record"]
 _ACTIONS = ("raise", "warn", "record")
 ScreenLiteral = Literal["model", "modules"]
 _SCREENS = ("model", "modules")
+# What one rank tells the others of its first anomaly of a step: 1 + 4 * kind + where.
+_KINDS = ("nan", "inf", "spike")
+_WHERES = ("forward", "grad_output", "grad_input", "param_grad")
 
 
 class Detector:
@@ -67,6 +71,8 @@ class Detector:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
+        # Under DDP the inner module is watched and replayed: its forward has no collectives.
+        model = unwrap_model(model)
         check_scaler(scaler, "detect")
         if action not in _ACTIONS:
             raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
@@ -111,6 +117,12 @@ class Detector:
         self._modules: dict[str, nn.Module] = dict(model.named_modules())
         self._step = 0
         self._skip = False
+        self._rank, self._world = world()
+        self._agreed = False  # this step's one collective (distributed) is done
+        self._held: list[Anomaly] = []  # found this step, raised or warned at the agreement
+        # FSDP2 all-gathers parameters in the forward: a replay on one rank would wait for
+        # the others forever, so a sharded model's anomalies are reported from the screen.
+        self._sharded = any(is_sharded(p) for p in model.parameters())
         self._found: list[Found] = []  # made from the screen's evidence, not yet emitted
         self._ready: list[Found] = []  # found by a replay, not yet emitted
         self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
@@ -172,13 +184,23 @@ class Detector:
         return loss
 
     def should_skip(self) -> bool:
-        """True when an anomaly was found since the last :meth:`step`: skip the optimizer step."""
+        """True when an anomaly was found since the last :meth:`step`: skip the optimizer step.
+
+        Under ``torch.distributed`` (DDP, FSDP2) ranks agree: true on every rank when any rank
+        found one (one all-reduce of ``world_size`` numbers per step, here or in :meth:`step`).
+
+        Raises:
+            GradientAnomaly: with ``action="raise"`` under ``torch.distributed``, on every rank
+                when any rank found one (raised here, on all ranks at once, not from the
+                backward of one rank).
+        """
         if self._pending_forward():
             self._check_forward()
             self._emit()
         if self._param_spikes is not None:
             self._check_unscreened_backward()
             self._emit()
+        self._agree()
         return self._skip
 
     def check(self) -> list[Anomaly]:
@@ -213,7 +235,10 @@ class Detector:
             self._check_forward()
             self._check_unscreened_backward()
             self._emit()
+            self._agree()
         finally:
+            self._agreed = False
+            self._held = []
             self._spikes.close_step()
             if self._param_spikes is not None:
                 self._param_spikes.close_step()
@@ -326,7 +351,7 @@ class Detector:
                           options=WatchOptions(eager_on_cpu=False), step=self._step)
         watch.plans = []
         try:
-            replay_step(self._screen, watch, backward)
+            self._replay(watch, backward)
             watch.check_forward()
         except Exception:  # noqa: BLE001 - the spike is still reported, from .grad
             watch.plans = []
@@ -359,6 +384,13 @@ class Detector:
                                 note=note)
         self._ready.append(Found(anomaly, None if plan is None else (name, plan.call), module))
 
+    def _replay(self, watch: CallWatch, backward: list[RootCall]) -> None:
+        if self._sharded:
+            raise RuntimeError("not replayed: the model's parameters are sharded (FSDP2), and "
+                               "its forward's all-gathers would wait for the other ranks")
+        assert self._screen is not None
+        replay_step(self._screen, watch, backward)
+
     @staticmethod
     def _replay_note(plan: Plan) -> str:
         """What the replay shows of the gradient reaching the module (no EWMA for it)."""
@@ -385,7 +417,7 @@ class Detector:
                           step=self._step)
         failure: BaseException | None = None
         try:
-            replay_step(self._screen, watch, backward)
+            self._replay(watch, backward)
             if loss is not None:
                 watch.add_loss(loss)
             watch.check_forward()
@@ -420,6 +452,8 @@ class Detector:
         new = []
         for f in found:
             anomaly = self._as_overflow(f.anomaly)
+            if self._rank:
+                anomaly = dataclasses.replace(anomaly, rank=self._rank)
             if self.dump_dir is not None:
                 anomaly = write_dump(self.dump_dir, anomaly, len(self.anomalies), f.module, f.kept)
             self.anomalies.append(anomaly)
@@ -428,12 +462,47 @@ class Detector:
         if not new:
             return
         self._skip = True
+        if self._world > 1:  # raised or warned on every rank at once, at the agreement
+            self._held.extend(new)
+            return
+        self._act(new)
+
+    def _act(self, new: list[Anomaly]) -> None:
         if self.action == "raise":
             raise GradientAnomaly(new[0].message, new[0])
         if self.action == "warn":
             for a in new:
-                warnings.warn(a.message, AnomalyWarning, stacklevel=3)
+                warnings.warn(a.message, AnomalyWarning, stacklevel=4)
 
+    def _agree(self) -> None:
+        """Under ``torch.distributed``, once a step: every rank learns which ranks found an
+        anomaly (the kind and ``where`` of each one's first), in one all-reduce (max) of
+        ``world_size`` numbers; each rank records one anomaly per other finding rank, skips,
+        and raises or warns."""
+        if self._world < 2 or self._agreed:
+            return
+        self._agreed = True
+        codes = torch.zeros(self._world, dtype=torch.float64)
+        if self._held:
+            first = self._held[0]
+            codes[self._rank] = 1 + 4 * _KINDS.index(first.kind) + _WHERES.index(first.where)
+        codes = all_ranks_max(codes)
+        remote = []
+        for r, code in enumerate(codes.tolist()):
+            if r == self._rank or code <= 0:
+                continue
+            k, w = divmod(int(code) - 1, 4)
+            kind, where = _KINDS[k], _WHERES[w]
+            message = (f"rank {r} found {'a NaN' if kind == 'nan' else 'an Inf' if kind == 'inf' else 'a spike'} "
+                       f"({where}) at step {self._step}; its report is on rank {r}. This rank "
+                       f"(rank {self._rank}) skips the step too.")
+            remote.append(Anomaly(f"<rank {r}>", kind, where, self._step, None,  # type: ignore[arg-type]
+                                  message, rank=r))
+        self.anomalies.extend(remote)
+        new, self._held = self._held + remote, []
+        if new:
+            self._skip = True
+            self._act(new)
 
     def _scale(self) -> float:
         """The grad scaler's scale of this step (1.0 when it is disabled)."""

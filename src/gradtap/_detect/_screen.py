@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from gradtap import _tensorops as ops
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
+from gradtap._tensorops.sharded import local
 from gradtap.capture import HookSet, OncePerBackward, argument_tensors, in_recomputation
 from gradtap.record import flatten_tensors
 
@@ -202,7 +203,7 @@ class Screen:
         if self._end.arm():  # the first gradient of this backward
             self._backward = []
             with torch.no_grad():
-                self._finite_at_start = {i: torch.isfinite(p.grad).all().to(torch.float32)
+                self._finite_at_start = {i: torch.isfinite(local(p.grad)).all().to(torch.float32)
                                          for i, p in self._bad_params.items()
                                          if p.grad is not None}
         if _host.measurable(g):
@@ -364,7 +365,8 @@ class Screen:
         params: list[tuple[str, Tensor]] = []
         groups: list[list[Tensor]] = []
         for group in self._param_groups:
-            grads: list[Any] = [p.grad for _, p in group]
+            # A sharded gradient (FSDP2) is checked, and its norm taken, on this rank's shard.
+            grads: list[Any] = [local(p.grad) for _, p in group]
             if not self._maybe_sparse and not any(g is None for g in grads):
                 params += group
                 groups.append(grads)
@@ -376,7 +378,7 @@ class Screen:
         summed: list[tuple[Tensor, Tensor]] = []
         stale: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor, Tensor]]] = {}
         for name, p in self._large_params:
-            g = p.grad
+            g = local(p.grad)
             if g is None or not _host.measurable(g):
                 continue
             entry = self._sums.get(id(p))

@@ -54,7 +54,7 @@ from gradtap._types import Selector
 from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
 from gradtap.errors import GradtapError, SelectionError
 from gradtap.record import GradRecord, flatten_tensors
-from gradtap.select import select_module_parameters
+from gradtap.select import select_module_parameters, unwrap_model
 
 __all__ = ["PerSample", "Quantity", "per_sample"]
 
@@ -100,6 +100,7 @@ class PerSample:
         self._want_stats = bool(STATS & set(quantities))
         self._want_var = bool({"variance", "snr"} & set(quantities))
 
+        model = unwrap_model(model)  # DDP's .module: names without wrapper prefixes
         params = select_module_parameters(model, select)
         self._params = {n: p for n, p in params if p.requires_grad}
         if not self._params:

@@ -21,6 +21,7 @@ from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.capture import HookSet, Tap, check_scaler
+from gradtap.select import unwrap_model
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -54,6 +55,9 @@ class TransformHandle:
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         check_scaler(scaler, "transform")
+        if isinstance(model, nn.Module):
+            _check_ddp(model, when, on)
+            model = unwrap_model(model)  # DDP's .module, a compiled model's original: no prefixes
         self._plan = make_plan(model, rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
@@ -114,6 +118,20 @@ class TransformHandle:
         return f"<TransformHandle {status}: on={self.on!r}, when={self.when!r}, {len(self.plan())} targets>"
 
 
+def _check_ddp(model: nn.Module, when: WhenLiteral | None, on: OnLiteral) -> None:
+    """Refuse parameter-gradient transforms that would run before DDP's all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if (isinstance(model, DistributedDataParallel) and on == "param_grad"
+            and when in (None, "accumulate", "backward")):
+        raise ValueError(
+            f"transform(): under DistributedDataParallel, when={when or 'accumulate'!r} would "
+            "transform each rank's own gradient before DDP averages them across ranks (and "
+            "DDP then overwrites .grad); use when='step' with optimizer= (the averaged "
+            "gradients, the same on every rank, right before optimizer.step())"
+        )
+
+
 def transform(
     model: nn.Module,
     rules: Rules,
@@ -155,6 +173,18 @@ def transform(
     of those ``.grad`` never exceeds ``max_norm`` between backwards. To clip the sum of the
     micro-batches once, use ``"step"``. ``"backward"`` and activation gradients refuse it.
 
+    Under ``DistributedDataParallel`` and FSDP2 (``fully_shard``) parameter gradients are
+    transformed with ``when="step"``: the gradients after the cross-rank reduction (DDP's
+    average, the same on every rank; FSDP2's reduce-scattered shards), right before
+    ``optimizer.step()``; the other moments would see one rank's own gradient before the
+    reduction and are refused. On shards, what needs a whole tensor gets it:
+    ``clip_global_norm`` and ``clip_norm`` sum each shard's squares and all-reduce them
+    (one all-reduce a rule a step, of one number per tensor; none under DDP), ``centralize`` takes each row's mean over the whole row (no collective when the
+    tensors are sharded by rows, FSDP2's default), and the EWMA of ``normalize`` and
+    ``ewma`` lives sharded with the gradient (no collective). The results are those of
+    one process on the concatenated batch. Pass the wrapped model (DDP's ``.module`` is
+    used, so names carry no ``module.`` prefix).
+
     Activation gradients (``on="grad_output"``: dL/d(output) as it enters the module's
     backward, so everything upstream sees the change; ``on="grad_input"``: what a call sends
     to its inputs) are transformed per call, ``when="backward"``. Their transforms' ``init``
@@ -183,7 +213,9 @@ def transform(
     Raises:
         SelectionError: a rule matches nothing.
         ValueError: unknown ``when``/``on``, ``when="step"`` without an optimizer,
-            ``clip_global_norm`` with ``when="backward"`` or on activation gradients; and,
+            ``clip_global_norm`` with ``when="backward"`` or on activation gradients,
+            parameter gradients of a DDP-wrapped or FSDP2 model at another ``when`` than
+            ``"step"``; and,
             during backward or step, a
             transform that returns a gradient of another shape, dtype or device (naming
             the rule and the parameter).

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_, group_norms, norms
+from gradtap._tensorops import ewma_init, ewma_update_, group_norms
+from gradtap._tensorops.sharded import centered_rows, is_sharded, local, rebuild, sumsq_whole
 from gradtap._transform.base import State, Transform, _mark_group_only, stateless
 
 __all__ = [
@@ -153,11 +154,29 @@ def clip_norm(max_norm: float) -> Transform:
     bound = _positive("max_norm", "clip_norm", max_norm)
 
     def fn(grad: Tensor, param: Tensor | None) -> Tensor:
+        if is_sharded(grad):
+            return update_many([grad], [()], [param])[0][0]
         norm = group_norms([grad])[0]
         factor = (bound / (norm + _CLIP_EPS)).clamp_(max=1.0)
         return grad * factor.to(grad.dtype)
 
-    return stateless(fn)
+    def update_many(
+        grads: Sequence[Tensor],
+        states: Sequence[State],
+        params: Sequence[Tensor | None],
+        /,
+        **extra: Any,
+    ) -> tuple[list[Tensor], list[State]]:
+        # Every tensor's own norm; sharded gradients' sums of squares in one collective.
+        if not any(is_sharded(g) for g in grads):
+            return [fn(g, p) for g, p in zip(grads, params, strict=True)], list(states)
+        factors = (bound / (sumsq_whole(grads, "clip_norm").sqrt() + _CLIP_EPS)).clamp_(max=1.0)
+        out = [rebuild(g, local(g) * factors[i].to(device=local(g).device, dtype=g.dtype))
+               for i, g in enumerate(grads)]
+        return out, list(states)
+
+    plain = stateless(fn)
+    return Transform(plain.init, plain.update, update_many)
 
 
 def clip_global_norm(max_norm: float) -> Transform:
@@ -205,11 +224,10 @@ def clip_global_norm(max_norm: float) -> Transform:
     ) -> tuple[list[Tensor], list[State]]:
         if not grads:
             return [], list(states)
-        device = grads[0].device
-        sums = [n.to(device=device, dtype=torch.float64).square().sum() for _, n in norms(grads)]
-        total = torch.stack(sums).sum().sqrt()
+        total = sumsq_whole(grads, "clip_global_norm").sum().sqrt()
         factor = (bound / (total + _CLIP_EPS)).clamp_(max=1.0)
-        out = [g * factor.to(device=g.device, dtype=g.dtype) for g in grads]
+        out = [rebuild(g, local(g) * factor.to(device=local(g).device, dtype=g.dtype))
+               for g in grads]
         return out, list(states)
 
     def init(param: Tensor) -> tuple[()]:
@@ -234,7 +252,7 @@ def centralize() -> Transform:
     def fn(grad: Tensor, param: Tensor | None) -> Tensor:
         if grad.dim() < 2:
             return grad
-        return grad - grad.mean(dim=tuple(range(1, grad.dim())), keepdim=True)
+        return centered_rows(grad)
 
     return stateless(fn)
 

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 from torch import nn
 
+from gradtap._tensorops.sharded import is_sharded
 from gradtap._transform.base import Transform, is_group_only
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.errors import SelectionError
@@ -189,6 +190,13 @@ def _plan_params(
                     "before each optimizer step, or clip_norm for a per-tensor bound)"
                 )
     params = dict(model.named_parameters())
+    if when != "step" and any(is_sharded(p) for p in params.values()):
+        raise ValueError(
+            f"transform(): the model's parameters are sharded (FSDP2 DTensors): their "
+            f"gradients are reduced across ranks after the backward, so when={when!r} never "
+            "sees them; use when='step' with optimizer= (the reduced, sharded gradients, "
+            "right before optimizer.step())"
+        )
     matches = []
     for key, rule in pairs:
         names = [n for n, _ in select_parameters(model, key)]

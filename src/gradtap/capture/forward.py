@@ -190,6 +190,8 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
             credit: Any = key
             if key is None and original.grad_fn is None:
                 name = call.info.param_by_id.get(id(original))
+                if name is None and call.param_ids is not None:
+                    name = call.param_ids.get(id(original))
                 credit = None if name is None else (PARAM, name)
             return alias(t, boundary_sink(weakref.ref(rec), call, path, credit))
 

@@ -53,7 +53,7 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
     """
     start, param_by_id = call.start, call.info.param_by_id
     input_edges, input_bases = call.input_edges, call.input_bases
-    current: dict[int, str] | None = None
+    current: dict[int, str] | None = call.param_ids
     stack = [n for n in dict.fromkeys(starts)
              if n._sequence_nr() >= start and type(n) is not AccumulateGrad]
     seen = set(stack)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from torch import Tensor, nn
 
@@ -18,16 +19,19 @@ class ModuleInfo:
     """What a tap needs to know about one selected module, resolved once."""
 
     __slots__ = ("name", "type_name", "param_names", "param_by_id", "positional", "varargs",
-                 "clone_inputs", "calls", "module_ref", "empty_param_grads")
+                 "clone_inputs", "calls", "module_ref", "empty_param_grads", "sharded")
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module_ref = weakref.ref(module)
-        self.type_name = type(module).__name__
+        self.type_name = user_class(module).__name__
         named = list(module.named_parameters())
         self.param_names = [n for n, _ in named]
         self.param_by_id = {id(p): n for n, p in named}
         self.empty_param_grads: dict[str, Tensor | None] = dict.fromkeys(self.param_names)
+        # Sharded parameters (FSDP2's DTensors) are swapped for unsharded ones during the
+        # forward: a call notes the parameters the module holds when it begins.
+        self.sharded = _has_dtensor(p for _, p in named)
         self.positional, self.varargs = _argument_names(module)
         # An in-place module overwrites its input: a kept input must be copied before the call.
         self.clone_inputs = bool(getattr(module, "inplace", False))
@@ -37,6 +41,28 @@ class ModuleInfo:
         if index < len(self.positional):
             return self.positional[index]
         return f"{self.varargs or 'args'}.{index - len(self.positional)}"
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's own class, not the subclass ``fully_shard`` (``FSDPLinear``) or the
+    composable ``replicate`` made of it at run time.
+
+    Example:
+        >>> import torch
+        >>> user_class(torch.nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    cls = type(module)
+    bases = cls.__bases__
+    if (len(bases) == 2 and cls.__name__.endswith(bases[1].__name__)
+            and bases[0].__name__ in ("FSDPModule", "ReplicateModule", "DDP")):
+        return bases[1]
+    return cls
+
+
+def _has_dtensor(params: Iterable[Tensor]) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless imported
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params)
 
 
 def _argument_names(module: nn.Module) -> tuple[list[str], str | None]:

@@ -33,7 +33,7 @@ class Call:
 
     __slots__ = ("info", "index", "grad_inputs", "grad_outputs", "param_grads", "inputs",
                  "outputs", "input_edges", "input_bases", "input_ids", "start", "expected",
-                 "remaining", "touched", "last_fire", "out_versions", "fwd_inputs")
+                 "remaining", "touched", "last_fire", "out_versions", "fwd_inputs", "param_ids")
 
     def __init__(self, info: ModuleInfo, index: int) -> None:
         self.info = info
@@ -54,6 +54,9 @@ class Call:
         self.last_fire = 0
         self.out_versions: list[tuple[str, weakref.ref[Tensor], int]] = []
         self.fwd_inputs: dict[str, Tensor] = {}
+        # The parameters the module held when the call began, by id, when they are swapped
+        # in for the forward (FSDP2's unsharded parameters); None otherwise.
+        self.param_ids: dict[int, str] | None = None
 
 
 class Recorder:

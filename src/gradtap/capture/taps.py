@@ -126,6 +126,8 @@ class Tap:
                 return None
             call = Call(info, info.calls)
             info.calls += 1
+            if info.sharded:  # FSDP2 has swapped its unsharded parameters in by now
+                call.param_ids = {id(p): n for n, p in mod.named_parameters()}
             replaced = note_inputs(rec, call, args, kwargs)
             call.start = next_sequence_nr()
             open_calls.append(call)
