@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +15,7 @@ from torch import nn
 import gradtap as gt
 from gradtap import _tensorops as ops
 from gradtap import distributed
+from tests._dist import RankError, gloo_available, run_ranks
 from tests.test_monitor import ewma_oracle
 from tests.test_tensorops import assert_stat_close, oracle, oracle_hist, slack
 
@@ -80,6 +78,51 @@ def test_ranks_without_rows_take_part_with_empty_fields():
     assert count.tolist() == [0.0, 0.0] and set(out) >= {"sum", "between", "max"}
 
 
+# -- the multi-process harness ----------------------------------------------------------------
+
+needs_gloo = pytest.mark.skipif(not gloo_available(),
+                                reason="torch.distributed with gloo is not in this torch build")
+
+
+def _harness_worker(rank, world, fail_rank=-1):
+    import torch.distributed as dist
+
+    if rank == fail_rank:
+        raise ValueError(f"planted failure on rank {rank}")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t, "pid": os.getpid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_gloo
+def test_harness_runs_ranks_reports_failures_and_leaves_no_process(tmp_path):
+    out = run_ranks(_harness_worker, 2, timeout=60)
+    assert [(r["rank"], r["world"], r["sum"]) for r in out] == [(0, 2, [3.0]), (1, 2, [3.0])]
+    assert not any(_alive(r["pid"]) for r in out)
+    # A rank that raises: the other is blocked in all_reduce, is killed after the grace time.
+    with pytest.raises(RankError, match="planted failure on rank 1"):
+        run_ranks(_harness_worker, 2, kwargs={"fail_rank": 1}, timeout=60, grace=1,
+                  outdir=tmp_path / "fail")
+    # A rank that never returns: the hard timeout kills both.
+    script = tmp_path / "hang.py"
+    script.write_text("import os, sys, threading\n"
+                      "open(os.path.join(sys.argv[1], f'pid{os.environ[\"RANK\"]}'), 'w')"
+                      ".write(str(os.getpid()))\n"
+                      "threading.Event().wait()\n")
+    with pytest.raises(RankError, match="timed out"):
+        run_ranks(script, 2, timeout=3, outdir=tmp_path / "hang")
+    pids = [int((tmp_path / "hang" / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(_alive(p) for p in pids)
+
+
 # -- two processes ---------------------------------------------------------------------------
 
 WORKER = textwrap.dedent("""
@@ -136,12 +179,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference():
     """One process, the concatenated batch of both ranks, statistics by the numpy oracle."""
     torch.manual_seed(0)
@@ -184,19 +221,11 @@ def _frame_dict(df):
     return {(int(r.step), r.name, r.kind, r.stat): float(r.value) for r in df.itertuples()}
 
 
+@needs_gloo
 def test_two_gloo_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
     script = tmp_path / "worker.py"
     script.write_text(WORKER % {"stats": ALL_STATS})
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
+    run_ranks(script, 2, outdir=tmp_path, timeout=180)
 
     glob_ref, local_ref, outs_ref, ewma_hist = _reference()
     frames = [pd.read_pickle(tmp_path / f"glob{r}.pkl") for r in range(2)]
