@@ -25,7 +25,20 @@ from torch import nn
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
-__all__ = ["select_module_parameters", "select_modules", "select_parameters"]
+__all__ = ["clean_name", "select_module_parameters", "select_modules", "select_parameters",
+           "unwrap_model"]
+
+#: Wrapper classes (by name, anywhere in the class's MRO) and the attribute holding the model
+#: they wrap: DDP, DataParallel, torch.compile, FSDP1, activation checkpointing.
+_WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "OptimizedModule": "_orig_mod",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "CheckpointWrapper": "_checkpoint_wrapped_module",
+}
+#: Name components that only wrappers add; :func:`clean_name` drops them.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 T = TypeVar("T")
 
@@ -225,3 +238,40 @@ def _preview(names: list[str], limit: int = 8) -> str:
     shown = [n for n in names if n][:limit]
     more = len([n for n in names if n]) - len(shown)
     return ", ".join(shown) + (f", ... ({more} more)" if more > 0 else "") if shown else "(none)"
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside training wrappers: ``DistributedDataParallel`` and
+    ``DataParallel`` (``.module``), ``torch.compile`` (``._orig_mod``), FSDP1
+    (``._fsdp_wrapped_module``) and checkpoint wrappers, however deeply nested at the root.
+    FSDP2's ``fully_shard`` does not wrap (the model is returned as it is).
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Linear(2, 1)
+        >>> unwrap_model(nn.DataParallel(net)) is net
+        True
+    """
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for cls in type(model).__mro__:
+            attr = _WRAPPERS.get(cls.__name__)
+            inner = getattr(model, attr, None) if attr else None
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+    return model
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the components wrappers insert inside a model (``_orig_mod``,
+    ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``).
+
+    Example:
+        >>> clean_name("layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.attn.weight")
+        'layers.0.attn.weight'
+    """
+    if "_" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
