@@ -17,7 +17,8 @@ initialises the gloo process group (``init_method="env://"``), calls
 ``fn(rank, world, **kwargs)``, writes its return value as JSON and destroys the group. For a
 script (a path), it runs the file as ``__main__`` with ``sys.argv = [path, outdir, *args]``;
 the script initialises the group itself, and its module-level ``RESULT`` (if any) is its
-result.
+result. Once its result is written a rank exits at once (``os._exit(0)``), skipping
+interpreter teardown.
 
 Every exit path (success, a failing rank, the hard ``timeout``, an exception or
 KeyboardInterrupt in the caller) ends with no rank process left: the survivors of a failing
@@ -75,6 +76,11 @@ else:
 with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
     json.dump(to_json(result), f)
 os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
+# The result is written: skip interpreter teardown, where torch's C++ threads (gloo, FSDP)
+# now and then abort the process ("terminate called without an active exception").
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
@@ -122,12 +128,14 @@ def run_ranks(
     grace: float = 5.0,
     env: Mapping[str, str] | None = None,
     outdir: str | os.PathLike[str] | None = None,
+    path: Sequence[str | os.PathLike[str]] = (),
 ) -> list[Any]:
     """Run ``target`` on ``world`` gloo ranks; return each rank's result, rank order.
 
     Args:
         target: a module-level function ``fn(rank, world, **kwargs)`` of an importable module
-            (``tests.test_x`` works), or the path of a script (see the module docstring).
+            (``tests.test_x`` works) or its name ``"module:function"``, or the path of a script
+            (``.py``; see the module docstring).
         world: number of ranks.
         kwargs: JSON-able keyword arguments for a function target.
         args: extra ``sys.argv`` entries for a script target (after the output folder).
@@ -136,6 +144,7 @@ def run_ranks(
         grace: seconds the other ranks get to exit after one rank fails.
         env: extra environment variables for the ranks.
         outdir: folder for results and logs (default: a temporary folder, removed after).
+        path: extra ``sys.path`` entries for the ranks (before the repository's).
 
     Raises:
         RankError: a rank exited with a non-zero status, wrote no result, or the run timed out.
@@ -143,7 +152,7 @@ def run_ranks(
     if outdir is None:
         with tempfile.TemporaryDirectory(prefix="gt-dist-") as tmp:
             return run_ranks(target, world, kwargs=kwargs, args=args, timeout=timeout,
-                             grace=grace, env=env, outdir=tmp)
+                             grace=grace, env=env, outdir=tmp, path=path)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     if callable(target):
@@ -151,12 +160,15 @@ def run_ranks(
         if "<locals>" in spec or target.__module__ == "__main__":
             raise ValueError(f"run_ranks needs a module-level function of an importable module; "
                              f"got {spec}")
+    elif isinstance(target, str) and ":" in target and not target.endswith(".py"):
+        spec = target
     else:
         spec = os.fspath(Path(target).resolve())
+    extra = [os.fspath(Path(p).resolve()) for p in path]
     for attempt in range(3):
         try:
             return _launch(spec, world, dict(kwargs or {}), list(args), timeout, grace,
-                           dict(env or {}), out)
+                           dict(env or {}), out, extra)
         except _PortLost:
             if attempt == 2:
                 raise
@@ -168,10 +180,10 @@ class _PortLost(Exception):
 
 
 def _launch(spec: str, world: int, kwargs: dict[str, Any], args: list[str], timeout: float,
-            grace: float, extra_env: dict[str, str], out: Path) -> list[Any]:
+            grace: float, extra_env: dict[str, str], out: Path, extra: list[str]) -> list[Any]:
     for r in range(world):
         (out / f"rank{r}.json").unlink(missing_ok=True)
-    path = os.pathsep.join([str(_SRC), str(_ROOT), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([*extra, str(_SRC), str(_ROOT), os.environ.get("PYTHONPATH", "")])
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
             "GT_DIST_PATH": path, "GT_DIST_PG_TIMEOUT": str(max(timeout, 1.0)),

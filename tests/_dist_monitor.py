@@ -20,7 +20,8 @@ KINDS = ("param_grad", "grad_output", "param", "update", "grad_cosine")
 HIST = {"hist_bins": 6, "hist_scale": "linear", "hist_range": (-0.5, 0.5)}
 # Collectives a rank could issue; wrapped with counters around each Monitor step.
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-               "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all",
+               "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+               "reduce_scatter_single", "broadcast", "all_to_all",
                "all_to_all_single", "reduce", "gather", "scatter", "barrier")
 
 
@@ -142,8 +143,34 @@ def monitor_run(rank: int, world: int, mode: str, out: str) -> dict:
 
 
 def modes(rank: int, world: int, modes: list[str], out: str) -> dict:
-    """:func:`monitor_run` for each mode, one after the other on the same process group."""
-    return {m: monitor_run(rank, world, m, out) for m in modes}
+    """:func:`monitor_run` for each mode, one after the other on the same process group, and
+    the errors of :func:`unsupported_layouts`."""
+    result = {m: monitor_run(rank, world, m, out) for m in modes}
+    result["errors"] = unsupported_layouts(world)
+    return result
+
+
+def unsupported_layouts(world: int) -> list[str]:
+    """The messages of ``distributed.shard`` on a Partial placement and (with 4 ranks) on a
+    mesh of 2 of the 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from gradtap import distributed
+
+    errors = []
+    mesh = init_device_mesh("cpu", (world,))
+    layouts = [(mesh, [Partial()])]
+    if world == 4:
+        layouts.append((init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"],
+                        [Partial()]))
+    for m, placements in layouts:
+        t = DTensor.from_local(torch.ones(2), m, placements, run_check=False)
+        try:
+            distributed.shard(t, "layer.weight")
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
 
 
 def reference() -> dict:

@@ -368,6 +368,8 @@ def test_monitor_under_ddp_and_fsdp2_matches_one_process(tmp_path):
     ref = W.reference()
     for mode in ("ddp", "fsdp"):
         _check_monitor(results, mode, 2, ref)
+    for r in results:  # a Partial DTensor is refused by name, before any collective
+        assert len(r["errors"]) == 1 and "layer.weight: placement Partial" in r["errors"][0]
 
 
 @needs_gloo
@@ -381,6 +383,8 @@ def test_monitor_under_hsdp_and_fsdp2_on_four_ranks_matches_one_process(tmp_path
     ref = W.reference()
     for mode in ("hsdp", "fsdp"):
         _check_monitor(results, mode, 4, ref)
+    for r in results:  # a mesh of 2 of the 4 ranks (a TP or pipeline-stage group) is refused
+        assert len(r["errors"]) == 2 and "spans 2 of the 4 ranks" in r["errors"][1]
 
 
 # torch.compile imports torch's own deprecated jit helpers (not our code).

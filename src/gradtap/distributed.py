@@ -1,15 +1,59 @@
-"""Reduce sufficient statistics of rank-local tensors across ``torch.distributed`` ranks.
+"""Statistics of the global gradient from rank-local tensors and shards (DDP, FSDP2, HSDP).
 
 Finished statistics (mean, std, ...) cannot be averaged across ranks; their sufficient
 statistics can. Every rank packs, for each tensor (row), the SUM-reducible fields (count, sum,
 sum of ``s_i**2 / n_i``, squared deviations, sum of squares, non-finite and nonzero counts,
-histogram counts) into one flat float64 buffer and the MAX-reducible fields (max, -min, a NaN
-flag, a layout checksum) into another: at most two collectives per step, whatever the number of
-tensors. ``min`` travels as ``max(-x)`` so that one MAX collective serves max, min and absmax.
-Mean and std are finished after the reduction, on the host.
+histogram counts, and plain sums such as squared norms and dot products) into one flat float64
+buffer and the MAX-reducible fields (max, -min, a NaN flag, a layout checksum) into another:
+one :class:`Reduction` per step, at most two collectives (two ``all_reduce``), whatever the
+number of tensors and kinds. ``min`` travels as ``max(-x)`` so that one MAX collective serves
+max, min and absmax. Mean and std are finished after the reduction, on the host. No gradient
+is ever gathered.
 
-With no process group (``not dist.is_available() or not dist.is_initialized()``) nothing is
-communicated.
+What is local and what is reduced, per ``Monitor`` kind:
+
+* DDP: ``p.grad`` is already the global (all-reduced) gradient on every rank, so
+  ``param_grad``, ``param``, ``update``, ``grad_cosine`` and the EWMA cost no communication.
+  ``grad_output`` (this rank's samples) and ``local_grads=True`` are reduced.
+* FSDP2 (``fully_shard``; parameters and gradients are DTensors, ``Shard(0)``, uneven shards
+  unpadded by ``to_local()``, possibly empty): every parameter kind is taken from this rank's
+  shard (:func:`shard`) and reduced. ``update`` adds two squared norms per tensor (its
+  ``ratio``), ``grad_cosine`` a dot product and two squared norms, all in the same SUM buffer.
+  The EWMA is elementwise, so each rank keeps the EWMA of its own shard: no communication
+  until ``Monitor.close()``, which reduces its summaries (two collectives, every rank).
+* HSDP (``fully_shard`` on a 2-D mesh, replicate x shard): as FSDP2, with the shards of
+  replica 0 only (coordinate 0 on each ``Replicate`` mesh dimension), so copies count once.
+
+Bytes per step (float64): per tensor and moment kind, 8 bytes per SUM field (count, sum,
+``between``, ``m2``, sumsq, nonfinite, nonzero: those the stats need) and per MAX field (max,
+-min, NaN flag), plus 8 per histogram bin; 16 more per tensor for ``update``'s ratio and 24 for
+``grad_cosine``. The default stats (norm, mean, std, absmax, nonfinite) are 6 SUM + 3 MAX
+fields: 72 bytes per tensor.
+
+On paper, a 70B-parameter Llama-style model (80 blocks of 9 tensors plus 3: 723 tensors) with
+FSDP2 on 64 GPUs: the default Monitor sends 723 x 72 B = 52 KB per step in 2 all_reduces
+(every stat, 32-bin histograms and the kinds ``param_grad``, ``param``, ``update``,
+``grad_cosine``: about 0.76 MB, plus about 0.34 KB per selected module output for
+``grad_output``). The step's own gradient reduce-scatter has a 141 GB buffer (70.6e9 bf16
+gradients; 282 GB when reduced in float32), of which each rank sends 63/64 over the ring, in
+about 81 collectives (one per FSDP unit), beside as many parameter all-gathers in the forward
+and again in the backward. The Monitor's share is thus about 4e-7 of the bytes and 2 of about
+240 collectives; two all_reduces of 52 KB are latency-bound (tens of microseconds each on
+such a cluster). Its device work is a few passes over the local shard (1.1e9 elements per GPU),
+and it reads the results on the host once per step.
+
+Tensor and pipeline parallelism are out of scope. A DTensor whose mesh does not span the
+default process group (a per-stage or per-TP-group mesh) makes ``Monitor.step()`` raise
+``ValueError`` naming the parameter, and so does a ``Partial`` placement; Shard/Replicate
+placements on a mesh spanning every rank (2-D FSDP2 + TP) are reduced correctly for the
+parameter kinds, but ``grad_output`` counts each rank's local activation gradient, so
+activations replicated across a TP group are counted once per TP rank. Pipeline stages hold
+different parameters: their buffers differ in size, which the collective itself rejects (gloo)
+or may hang on (NCCL); watch each stage with its own Monitor without a process group spanning
+stages, or not at all.
+
+With no process group (``not dist.is_available() or not dist.is_initialized()``) or one rank,
+nothing is communicated.
 """
 
 from __future__ import annotations
@@ -91,8 +135,9 @@ def shard(t: Tensor, name: str = "tensor") -> Shard:
             counts = counts and coord[dim] == 0
         elif not isinstance(pl, ShardPlacement):
             raise ValueError(
-                f"{name}: placement {pl} on mesh dimension {dim}; gradtap takes statistics of "
-                "Shard and Replicate placements only (a Partial value must be reduced first)")
+                f"{name}: placement {type(pl).__name__} ({pl}) on mesh dimension {dim}; gradtap "
+                "takes statistics of Shard and Replicate placements only (a Partial value must "
+                "be reduced first)")
     return Shard(t.to_local(), counts)  # type: ignore[attr-defined]
 
 
