@@ -147,7 +147,35 @@ def modes(rank: int, world: int, modes: list[str], out: str) -> dict:
     the errors of :func:`unsupported_layouts`."""
     result = {m: monitor_run(rank, world, m, out) for m in modes}
     result["errors"] = unsupported_layouts(world)
+    if "fsdp" in modes:
+        result["amp"] = amp_nonfinite(rank, world)
     return result
+
+
+def amp_nonfinite(rank: int, world: int) -> dict:
+    """FSDP2 with a GradScaler, ``mon.step()`` before the scaler checks: an Inf planted in
+    rank 0's shard and a NaN in the last rank's; the "<scaler>" row must count both."""
+    import gradtap as gt
+
+    model = build().float()
+    _wrap("fsdp", model)
+    x, y = data()
+    per = BATCH // world
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    mon = gt.Monitor(model, stats=("nonfinite", "max"), scaler=scaler)
+    xs, ys = x[0, rank * per:(rank + 1) * per].float(), y[0, rank * per:(rank + 1) * per].float()
+    scaler.scale(((model(xs) - ys) ** 2).sum()).backward()
+    local = model[0].weight.grad.to_local()
+    if rank == 0:
+        local[0, 0] = float("inf")
+    if rank == world - 1:
+        local[-1, -1] = float("nan")
+    mon.step()
+    rows = {(r.name, r.stat): float(r.value) for r in mon.frame().itertuples()}
+    mon.close()
+    return {"scaler_nonfinite": rows[("<scaler>", "nonfinite")],
+            "amp_scale": rows[("<scaler>", "amp_scale")],
+            "weight_nonfinite": rows[("0.weight", "nonfinite")]}
 
 
 def unsupported_layouts(world: int) -> list[str]:

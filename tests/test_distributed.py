@@ -370,6 +370,8 @@ def test_monitor_under_ddp_and_fsdp2_matches_one_process(tmp_path):
         _check_monitor(results, mode, 2, ref)
     for r in results:  # a Partial DTensor is refused by name, before any collective
         assert len(r["errors"]) == 1 and "layer.weight: placement Partial" in r["errors"][0]
+        # Under a grad scaler, non-finite elements of every rank's shard are counted.
+        assert r["amp"] == {"scaler_nonfinite": 2.0, "amp_scale": 4.0, "weight_nonfinite": 2.0}
 
 
 @needs_gloo

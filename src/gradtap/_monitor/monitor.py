@@ -12,7 +12,7 @@ reductions, never sync with the host. Finished rows go to one history
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -430,7 +430,7 @@ class Monitor:
         amp = None
         if self._amp is not None:
             grads = self._unscale(grads)
-            amp = self._queue_amp(grads, copy)
+            amp = self._queue_amp(grads, copy, counts if sharded else None)
         device = next((distributed.local_tensor(p).device for _, p in self._params),
                       torch.device("cpu"))
         if "param_grad" in self.kinds:
@@ -489,8 +489,8 @@ class Monitor:
         if cosine is not None:
             rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
         if amp is not None:
-            rows.add("param_grad", [SCALER_NAME], {"amp_scale": copy.get(amp[0]).reshape(1),
-                                                   "nonfinite": copy.get(amp[1]).reshape(1)})
+            rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
+                                                   "nonfinite": amp[1]().reshape(1)})
         self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
 
     def _shards(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, bool]]:
@@ -520,21 +520,43 @@ class Monitor:
             out[n] = g if factor is None else _unscaled(g, factor)
         return out
 
-    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy) -> tuple[int, int]:
-        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``."""
+    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy,
+                   counts: dict[str, bool] | None = None
+                   ) -> tuple[Callable[[], np.ndarray], Callable[[], np.ndarray]]:
+        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``.
+
+        With ``counts`` (sharded gradients), the count of non-finite elements is summed over
+        the shards that count, and the scaler's own flag over ranks (set if any rank's is),
+        in the step's reduction."""
         assert self._amp is not None
         scale = self._amp.step_scale()
         if scale is None:
             scale = torch.ones((), dtype=torch.float32)
         found = self._amp.found_inf()
+        flag = found is not None
         if found is None:
             # The scaler has not checked yet: count what it will find.
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            for g in grads.values():
-                found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
+            for n, g in grads.items():
+                if counts is None or counts.get(n):
+                    found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
         else:
             found = (found > 0).to(torch.float32)
-        return copy.add(scale.to(torch.float64)), copy.add(found.to(torch.float64))
+        hs = copy.add(scale.to(torch.float64))
+        if counts is not None:
+            red = self._reducer.reduction
+            hr = red.add_sums(found.reshape(1), "amp")
+
+            def found_host() -> np.ndarray:
+                total = red.host_sums(hr)
+                return (total > 0).astype(np.float64) if flag else total
+        else:
+            hf = copy.add(found.to(torch.float64))
+
+            def found_host() -> np.ndarray:
+                return copy.get(hf)
+
+        return lambda: copy.get(hs), found_host
 
     def _history(self) -> Run | MemoryRun:
         """The one view every query reads: the store's ``Run``, or the run in memory."""
