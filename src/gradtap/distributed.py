@@ -99,7 +99,13 @@ class Shard(NamedTuple):
 
 
 def is_dtensor(t: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
+    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters).
+
+    Example:
+        >>> import torch
+        >>> is_dtensor(torch.ones(2))
+        False
+    """
     mod = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless imported
     return mod is not None and isinstance(t, mod.DTensor)
 
@@ -115,6 +121,11 @@ def shard(t: Tensor, name: str = "tensor") -> Shard:
     Raises:
         ValueError: a ``Partial`` placement (its local value is not a part of the tensor), or a
             device mesh that does not span the whole default process group.
+
+    Example:
+        >>> import torch
+        >>> shard(torch.ones(2)).counts  # a plain tensor, no process group: rank 0 counts it
+        True
     """
     if not is_dtensor(t):
         return Shard(t, world()[0] == 0)
@@ -142,7 +153,14 @@ def shard(t: Tensor, name: str = "tensor") -> Shard:
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """``t.to_local()`` for a DTensor, ``t`` otherwise (no communication)."""
+    """``t.to_local()`` for a DTensor, ``t`` otherwise (no communication).
+
+    Example:
+        >>> import torch
+        >>> t = torch.ones(2)
+        >>> local_tensor(t) is t
+        True
+    """
     return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
