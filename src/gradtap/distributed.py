@@ -43,7 +43,7 @@ such a cluster). Its device work is a few passes over the local shard (1.1e9 ele
 and it reads the results on the host once per step.
 
 Tensor and pipeline parallelism are out of scope. A DTensor whose mesh does not span the
-default process group (a per-stage or per-TP-group mesh) makes ``Monitor.step()`` raise
+default process group (a per-stage or per-TP-group mesh) makes ``Monitor(...)`` raise
 ``ValueError`` naming the parameter, and so does a ``Partial`` placement; Shard/Replicate
 placements on a mesh spanning every rank (2-D FSDP2 + TP) are reduced correctly for the
 parameter kinds, but ``grad_output`` counts each rank's local activation gradient, so

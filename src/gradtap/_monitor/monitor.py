@@ -177,6 +177,8 @@ class Monitor:
         self._layouts: dict[str, tuple[Any, ...]] = {}
         self._ewma = None if self.ewma_beta is None else GradEwma(
             self.ewma_beta, [n for n, _ in self._params])
+        if self._sharded:  # gradients are laid out like their parameters
+            self._shards({n: p for n, p in self._params})
         self._snapshots = Snapshots(self._params, update="update" in self.kinds,
                                     cosine="grad_cosine" in self.kinds)
 
