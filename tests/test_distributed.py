@@ -408,3 +408,18 @@ def test_monitor_names_carry_no_wrapper_prefix():
         pd.testing.assert_frame_equal(f, frames[0])
     assert sorted(frames[0].name.unique()) == ["0.bias", "0.weight"]
     assert gt.select.clean_name("a._orig_mod.b._checkpoint_wrapped_module.c") == "a.b.c"
+
+
+def test_monitor_built_before_its_parameters_are_replaced_says_so():
+    """fully_shard swaps every parameter for a DTensor one: a Monitor built before would watch
+    parameters that never get a gradient; its first step says what happened."""
+    net = nn.Sequential(nn.Linear(3, 2))
+    mon = gt.Monitor(net)
+    net[0].weight = nn.Parameter(net[0].weight.detach().clone())  # what fully_shard does
+    net[0].bias = nn.Parameter(net[0].bias.detach().clone())
+    net(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"no longer holds .*0\.weight and 1 more.*after"):
+        mon.step()
+    ok = gt.Monitor(net)  # built after: watches the new parameters
+    ok.step()
+    assert set(ok.frame().name) == {"0.weight", "0.bias"}

@@ -12,6 +12,7 @@ reductions, never sync with the host. Finished rows go to one history
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +176,7 @@ class Monitor:
             raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
                              "p.grad is already reduce-scattered when gradtap can first read it")
         self._layouts: dict[str, tuple[Any, ...]] = {}
+        self._model = weakref.ref(model)
         self._ewma = None if self.ewma_beta is None else GradEwma(
             self.ewma_beta, [n for n, _ in self._params])
         if self._sharded:  # gradients are laid out like their parameters
@@ -426,6 +428,8 @@ class Monitor:
             g = p.grad
             if g is not None and g.numel():  # a DTensor's numel is the global one
                 grads[n] = g
+        if not grads and self._params:
+            self._check_not_replaced()
         counts: dict[str, bool] = {}
         if sharded:
             grads, counts = self._shards(grads)
@@ -494,6 +498,21 @@ class Monitor:
             rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
                                                    "nonfinite": amp[1]().reshape(1)})
         self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
+
+    def _check_not_replaced(self) -> None:
+        """Raise when the model no longer holds the selected parameters (replaced after the
+        Monitor was built, as ``fully_shard`` does): their gradients would never come."""
+        model = self._model()
+        if model is None:
+            return
+        current = {id(p) for p in model.parameters()}
+        gone = [n for n, p in self._params if id(p) not in current]
+        if gone:
+            raise RuntimeError(
+                f"the model no longer holds the parameters this Monitor watches ({gone[0]}"
+                f"{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}): they were replaced "
+                "after it was built (fully_shard does this); build the Monitor after wrapping "
+                "the model")
 
     def _shards(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, bool]]:
         """This rank's local part of each tensor, and whether it counts (non-empty, and not a
