@@ -66,3 +66,18 @@ def test_a_block_missing_from_the_docs_is_appended():
     run_all = importlib.import_module("run_all")
     out = run_all.replace_block("# B\n", "x", "<!-- begin x -->\nnew\n<!-- end x -->")
     assert out == "# B\n\n## x\n\n<!-- begin x -->\nnew\n<!-- end x -->\n"
+
+
+def test_distributed_quick(capsys):
+    """benchmarks/distributed.py on two gloo ranks: a timing row and the collective counts
+    (the Monitor's step: two all_reduce, however many kinds)."""
+    from tests._dist import gloo_available
+
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not in this torch build")
+    out = importlib.import_module("distributed").main(["--quick"])
+    timing, comm = out.split("\n\n")[1:]
+    assert timing.count("\n") == 2 and "clip_grad_norm_" in timing
+    monitor_rows = [r for r in comm.splitlines() if "Monitor.step()" in r]
+    assert len(monitor_rows) == 3 and all("| 2 | all_reduce x2 |" in r for r in monitor_rows)
+    assert "reduce_scatter" in comm  # FSDP2's own step, for comparison

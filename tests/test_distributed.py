@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +15,7 @@ from torch import nn
 import gradtap as gt
 from gradtap import _tensorops as ops
 from gradtap import distributed
+from tests._dist import RankError, gloo_available, run_ranks
 from tests.test_monitor import ewma_oracle
 from tests.test_tensorops import assert_stat_close, oracle, oracle_hist, slack
 
@@ -80,6 +78,51 @@ def test_ranks_without_rows_take_part_with_empty_fields():
     assert count.tolist() == [0.0, 0.0] and set(out) >= {"sum", "between", "max"}
 
 
+# -- the multi-process harness ----------------------------------------------------------------
+
+needs_gloo = pytest.mark.skipif(not gloo_available(),
+                                reason="torch.distributed with gloo is not in this torch build")
+
+
+def _harness_worker(rank, world, fail_rank=-1):
+    import torch.distributed as dist
+
+    if rank == fail_rank:
+        raise ValueError(f"planted failure on rank {rank}")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t, "pid": os.getpid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_gloo
+def test_harness_runs_ranks_reports_failures_and_leaves_no_process(tmp_path):
+    out = run_ranks(_harness_worker, 2, timeout=60)
+    assert [(r["rank"], r["world"], r["sum"]) for r in out] == [(0, 2, [3.0]), (1, 2, [3.0])]
+    assert not any(_alive(r["pid"]) for r in out)
+    # A rank that raises: the other is blocked in all_reduce, is killed after the grace time.
+    with pytest.raises(RankError, match="planted failure on rank 1"):
+        run_ranks(_harness_worker, 2, kwargs={"fail_rank": 1}, timeout=60, grace=1,
+                  outdir=tmp_path / "fail")
+    # A rank that never returns: the hard timeout kills both.
+    script = tmp_path / "hang.py"
+    script.write_text("import os, sys, threading\n"
+                      "open(os.path.join(sys.argv[1], f'pid{os.environ[\"RANK\"]}'), 'w')"
+                      ".write(str(os.getpid()))\n"
+                      "threading.Event().wait()\n")
+    with pytest.raises(RankError, match="timed out"):
+        run_ranks(script, 2, timeout=3, outdir=tmp_path / "hang")
+    pids = [int((tmp_path / "hang" / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(_alive(p) for p in pids)
+
+
 # -- two processes ---------------------------------------------------------------------------
 
 WORKER = textwrap.dedent("""
@@ -136,12 +179,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference():
     """One process, the concatenated batch of both ranks, statistics by the numpy oracle."""
     torch.manual_seed(0)
@@ -184,19 +221,11 @@ def _frame_dict(df):
     return {(int(r.step), r.name, r.kind, r.stat): float(r.value) for r in df.itertuples()}
 
 
+@needs_gloo
 def test_two_gloo_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
     script = tmp_path / "worker.py"
     script.write_text(WORKER % {"stats": ALL_STATS})
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
+    run_ranks(script, 2, outdir=tmp_path, timeout=180)
 
     glob_ref, local_ref, outs_ref, ewma_hist = _reference()
     frames = [pd.read_pickle(tmp_path / f"glob{r}.pkl") for r in range(2)]
@@ -240,3 +269,157 @@ def test_two_gloo_ranks_match_one_process_on_the_concatenated_batch(tmp_path):
     for i in info:
         # glob reduces grad_output (2 collectives), local reduces param grads (2 more)
         assert i["collectives"] == [4, 4, 4]
+
+
+# -- Monitor under DDP, FSDP2 and HSDP against one process on the concatenated batch ---------
+
+
+def _expected_rows(ref, world):
+    """``(step, name, kind, stat) -> (value, data)`` of every row the Monitor should write."""
+    from tests import _dist_monitor as W
+
+    exp = {}
+
+    def add(step, name, kind, data):
+        data = np.asarray(data, dtype=np.float64)
+        exp.update({(step, name, kind, s): (v, data) for s, v in oracle(data).items()})
+
+    for s in range(W.STEPS):
+        for n, g in ref["grad"][s].items():
+            add(s, n, "param_grad", g.numpy())
+            add(s, n, "param", ref["param"][s][n].numpy())
+            if s:
+                diff = (ref["param"][s][n] - ref["param"][s - 1][n]).numpy()
+                add(s, n, "update", diff)
+                ratio = np.linalg.norm(diff) / np.linalg.norm(ref["param"][s][n].numpy())
+                exp[(s, n, "update", "ratio")] = (ratio, diff)
+                a, b = g.numpy().ravel(), ref["grad"][s - 1][n].numpy().ravel()
+                cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+                exp[(s, n, "grad_cosine", "cosine")] = (cos, a)
+        for k, g in ref["grad_output"][s].items():
+            add(s, k, "grad_output", world * g.numpy())  # each rank's loss is world * its share
+    return exp
+
+
+def _check_monitor(results, mode, world, ref):
+    """Every rank's Monitor of ``mode`` against the one-process reference."""
+    from tests import _dist_monitor as W
+
+    runs = [r[mode] for r in results]
+    got = {(s, n, k, st): v for s, n, k, st, v in runs[0]["rows"]}
+    for other in runs[1:]:  # every rank computes the same statistics
+        theirs = {(s, n, k, st): v for s, n, k, st, v in other["rows"]}
+        assert theirs.keys() == got.keys()
+        for key, v in theirs.items():
+            assert_stat_close(v, got[key], f"{mode} rank vs rank 0 {key}", 1e-12, 1e-12)
+    expected = _expected_rows(ref, world)
+    assert set(got) == set(expected), (mode, set(got) ^ set(expected))
+    for key, (value, data) in expected.items():
+        assert_stat_close(got[key], value, f"{mode} {key}", slack(key[3], data), 1e-7)
+
+    edges = None
+    for r in runs:
+        assert set(r["hists"]) == {f"param_grad/{n}" for n in ref["grad"][0]} | {
+            f"grad_output/{k}" for k in ref["grad_output"][0]}
+        for key, h in r["hists"].items():
+            kind, name = key.split("/")
+            edges = np.asarray(h["edges"])
+            assert h["steps"] == list(range(W.STEPS))
+            for s in range(W.STEPS):
+                data = (ref["grad"][s][name] if kind == "param_grad"
+                        else world * ref["grad_output"][s][name]).numpy()
+                np.testing.assert_array_equal(h["counts"][s], oracle_hist(data, edges),
+                                              err_msg=f"{mode} {key} step {s}")
+
+    for n in ref["grad"][0]:
+        m, v = ewma_oracle([ref["grad"][s][n].numpy() for s in range(W.STEPS)], W.EWMA)
+        for r in runs:
+            e = r["ewma"][n]
+            assert e["dtensor"] == (mode != "ddp"), mode  # sharded: laid out like the grad
+            np.testing.assert_allclose(e["mean"], m, rtol=1e-9, atol=1e-12, err_msg=f"{mode} {n}")
+            np.testing.assert_allclose(e["var"], v, rtol=1e-9, atol=1e-12, err_msg=f"{mode} {n}")
+        summary = runs[0]["ewma_store"][n]
+        assert summary["numel"] == m.size and summary["shape"] == list(m.shape)
+        np.testing.assert_allclose(
+            [summary["mean_norm"], summary["mean_absmax"], summary["var_mean"],
+             summary["var_max"]],
+            [np.linalg.norm(m), np.abs(m).max(), v.mean(), v.max()], rtol=1e-9, atol=1e-15)
+
+    # One writer: rank 0 writes the store, the same rows as its frame; no other rank writes.
+    assert [r["writes"] for r in runs] == [True] + [False] * (world - 1)
+    assert runs[0]["store_exists"] and runs[0]["store_rows"] == len(runs[0]["rows"])
+
+    # At most two collectives per step, both all_reduce of packed statistics, never a gather
+    # (counted at the Python API and by torch's CommDebugMode, which sees DTensor's too).
+    for r in runs:
+        for s in r["steps"]:
+            assert [c for c, _ in s["calls"]] == ["all_reduce", "all_reduce"], (mode, s)
+            assert s["comm"] == 2, (mode, s)
+
+
+@needs_gloo
+def test_monitor_under_ddp_and_fsdp2_matches_one_process(tmp_path):
+    """Two ranks: DDP (Monitor given the wrapper), then FSDP2 with uneven shards (dims 7 and 3
+    over 2 ranks): every kind, stat, histogram and the EWMA, and the collectives per step."""
+    from tests import _dist_monitor as W
+
+    results = run_ranks(W.modes, 2, kwargs={"modes": ["ddp", "fsdp"], "out": str(tmp_path)},
+                        timeout=240)
+    ref = W.reference()
+    for mode in ("ddp", "fsdp"):
+        _check_monitor(results, mode, 2, ref)
+    for r in results:  # a Partial DTensor is refused by name, before any collective
+        assert len(r["errors"]) == 1 and "layer.weight: placement Partial" in r["errors"][0]
+        # Under a grad scaler, non-finite elements of every rank's shard are counted.
+        assert r["amp"] == {"scaler_nonfinite": 2.0, "amp_scale": 4.0, "weight_nonfinite": 2.0}
+
+
+@needs_gloo
+def test_monitor_under_hsdp_and_fsdp2_on_four_ranks_matches_one_process(tmp_path):
+    """Four ranks: HSDP (2 replicas x 2 shards: replicated copies counted once), then FSDP2
+    over 4 (a 3-row and a 2-row layer leave some ranks an empty shard)."""
+    from tests import _dist_monitor as W
+
+    results = run_ranks(W.modes, 4, kwargs={"modes": ["hsdp", "fsdp"], "out": str(tmp_path)},
+                        timeout=300)
+    ref = W.reference()
+    for mode in ("hsdp", "fsdp"):
+        _check_monitor(results, mode, 4, ref)
+    for r in results:  # a mesh of 2 of the 4 ranks (a TP or pipeline-stage group) is refused
+        assert len(r["errors"]) == 2 and "spans 2 of the 4 ranks" in r["errors"][1]
+
+
+# torch.compile imports torch's own deprecated jit helpers (not our code).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_monitor_names_carry_no_wrapper_prefix():
+    """Given DataParallel or torch.compile's wrapper, the Monitor watches and names the model
+    inside: the same names and values as given the model itself (globs match those names)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    frames = []
+    for wrapped in (net, nn.DataParallel(net), torch.compile(net), nn.DataParallel(
+            torch.compile(net))):
+        mon = gt.Monitor(wrapped, select="0.*", stats=("norm",), kinds=("param_grad", "param"))
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        mon.step()
+        frames.append(mon.frame())
+    for f in frames[1:]:
+        pd.testing.assert_frame_equal(f, frames[0])
+    assert sorted(frames[0].name.unique()) == ["0.bias", "0.weight"]
+    assert gt.select.clean_name("a._orig_mod.b._checkpoint_wrapped_module.c") == "a.b.c"
+
+
+def test_monitor_built_before_its_parameters_are_replaced_says_so():
+    """fully_shard swaps every parameter for a DTensor one: a Monitor built before would watch
+    parameters that never get a gradient; its first step says what happened."""
+    net = nn.Sequential(nn.Linear(3, 2))
+    mon = gt.Monitor(net)
+    net[0].weight = nn.Parameter(net[0].weight.detach().clone())  # what fully_shard does
+    net[0].bias = nn.Parameter(net[0].bias.detach().clone())
+    net(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"no longer holds .*0\.weight and 1 more.*after"):
+        mon.step()
+    ok = gt.Monitor(net)  # built after: watches the new parameters
+    ok.step()
+    assert set(ok.frame().name) == {"0.weight", "0.bias"}

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from gradtap._tensorops import ewma_init, ewma_update_, group_norms
@@ -28,9 +29,14 @@ class GradEwma:
         self._known = set(self._names)
         self._state: dict[str, tuple[Tensor, Tensor]] = {}
         self._updates: dict[str, int] = {}
+        #: full shapes of the names whose state is a shard (set by the owner)
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._state)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state
 
     def update(self, grads: Mapping[str, Tensor]) -> None:
         """Advance the EWMA of each gradient given (a first gradient starts it)."""
@@ -79,14 +85,23 @@ class GradEwma:
                            state["var"][n].to(devices[n], copy=True)) for n in state["mean"]}
         self._updates = {n: int(k) for n, k in state["updates"].items()}
 
-    def summaries(self) -> list[tuple[Any, ...]]:
+    def summaries(self, reduced: Mapping[str, tuple[float, float, float, float]] | None = None,
+                  ) -> list[tuple[Any, ...]]:
         """One row per parameter for ``RunWriter.write_ewma``: ``(name, beta, updates, numel,
-        shape_json, mean_norm, mean_absmax, var_mean, var_max)``."""
+        shape_json, mean_norm, mean_absmax, var_mean, var_max)``.
+
+        ``reduced`` gives ``(mean_norm, mean_absmax, var_mean, var_max)`` per name where the
+        state is a shard (reduced over ranks by the caller); ``shapes`` the full shapes."""
         rows = []
         for name, (m, v) in self._state.items():
-            rows.append((name, self.beta, self._updates[name], m.numel(),
-                         json.dumps(list(m.shape)), float(group_norms([m], accurate=True)[0]),
-                         float(m.abs().max()), float(v.mean()), float(v.max())))
+            shape = list(self.shapes.get(name, m.shape))
+            if reduced is not None and name in reduced:
+                figures = reduced[name]
+            else:
+                figures = (float(group_norms([m], accurate=True)[0]), float(m.abs().max()),
+                           float(v.mean()), float(v.max()))
+            rows.append((name, self.beta, self._updates[name], int(np.prod(shape)),
+                         json.dumps(shape), *figures))
         return rows
 
 

@@ -12,9 +12,11 @@ reductions, never sync with the host. Finished rows go to one history
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -28,7 +30,7 @@ from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler, tap
 from gradtap.record import GradRecord
-from gradtap.select import select_parameters
+from gradtap.select import clean_name, select_parameters, unwrap_model
 from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,7 +71,9 @@ class Monitor:
     (count of NaN/Inf), ``zero_frac``. NaN propagates into mean/std/norm/absmax/min/max.
 
     Args:
-        model: the model to watch.
+        model: the model to watch; a wrapper (``DistributedDataParallel``, ``DataParallel``,
+            ``torch.compile``, FSDP1) is looked through, so names never carry ``module.``,
+            ``_orig_mod.`` or ``_fsdp_wrapped_module.`` and globs match the inner names.
         select: parameter selector for the parameter kinds and module selector for
             ``grad_output`` (glob, list of globs, class, predicate; see ``gt.select_*``).
         stats: statistic names (default ``norm, mean, std, absmax, nonfinite``).
@@ -137,6 +141,8 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
+        # DDP / torch.compile / FSDP1 wrappers: watch (and name) the model inside.
+        model = unwrap_model(model)
         check_scaler(scaler, "Monitor")
         self.stats = ops.check_stats(stats)
         self.kinds = _check_kinds(kinds)
@@ -160,10 +166,21 @@ class Monitor:
         self._reducer = StepReducer(self.stats, edges, reduce=distributed.is_distributed())
 
         wants_params = bool(set(self.kinds) & set(_PARAM_KINDS)) or ewma is not None
-        self._params: list[tuple[str, nn.Parameter]] = (
-            select_parameters(model, select) if wants_params else [])
+        self._params: list[tuple[str, nn.Parameter]] = [
+            (clean_name(n), p) for n, p in select_parameters(model, select)] if wants_params else []
+        # FSDP2 (DTensor parameters) under a process group: every parameter kind is taken from
+        # this rank's shards and reduced across ranks with the step's other statistics.
+        self._sharded = distributed.is_distributed() and any(
+            distributed.is_dtensor(p) for _, p in self._params)
+        if local_grads and self._sharded:
+            raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
+                             "p.grad is already reduce-scattered when gradtap can first read it")
+        self._layouts: dict[str, tuple[Any, ...]] = {}
+        self._model = weakref.ref(model)
         self._ewma = None if self.ewma_beta is None else GradEwma(
             self.ewma_beta, [n for n, _ in self._params])
+        if self._sharded:  # gradients are laid out like their parameters
+            self._shards({n: p for n, p in self._params})
         self._snapshots = Snapshots(self._params, update="update" in self.kinds,
                                     cosine="grad_cosine" in self.kinds)
 
@@ -194,7 +211,7 @@ class Monitor:
                     "hist_bins": None if edges is None else edges.numel() - 1,
                     "scaler": scaler is not None},
                 parameters=[n for n, _ in self._params],
-                modules=self._tap.names if self._tap is not None else [],
+                modules=[clean_name(n) for n in self._tap.names] if self._tap is not None else [],
                 world_size=self.world_size, edges=None if edges is None else edges.tolist(),
                 extra=meta, check=to_store)
             # The one history: written step by step, read back by every query.
@@ -238,6 +255,7 @@ class Monitor:
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
         finally:
+            self._reducer.end_step()
             self._pending = []
             self._local = {}
             if self._tap is not None:
@@ -271,20 +289,25 @@ class Monitor:
     def ewma_mean(self, name: str) -> Tensor:
         """Elementwise EWMA mean of parameter ``name``'s gradient (a copy, its shape).
 
+        Under FSDP2 each rank keeps the EWMA of its own shard: the result is a DTensor laid
+        out like the gradient (``.full_tensor()`` gathers it; ``.to_local()`` is this rank's
+        part).
+
         Raises:
             ValueError: the EWMA is off (``ewma=None``).
             KeyError: ``name`` is not a selected parameter, or had no gradient yet.
         """
-        return self._ewma_state(name)[0].clone()
+        return self._as_layout(name, self._ewma_state(name)[0].clone())
 
     def ewma_var(self, name: str) -> Tensor:
-        """Elementwise EWMA variance of parameter ``name``'s gradient (see ``ewma=``).
+        """Elementwise EWMA variance of parameter ``name``'s gradient (see ``ewma=``); a
+        DTensor under FSDP2, like :meth:`ewma_mean`.
 
         Raises:
             ValueError: the EWMA is off (``ewma=None``).
             KeyError: ``name`` is not a selected parameter, or had no gradient yet.
         """
-        return self._ewma_state(name)[1].clone()
+        return self._as_layout(name, self._ewma_state(name)[1].clone())
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue this one: the step count, the EWMA and the
@@ -338,14 +361,22 @@ class Monitor:
 
     def close(self, status: str = "finished") -> None:
         """Remove hooks, store EWMA summaries and ``status`` in the run metadata, close the
-        store. Safe to call twice; :meth:`frame` keeps working afterwards."""
+        store. Safe to call twice; :meth:`frame` keeps working afterwards.
+
+        Under FSDP2 with ``ewma=`` on, a ``"finished"`` close reduces the EWMA summaries over
+        the shards (two collectives): call it on every rank. A failed close (an exception in
+        the ``with`` block) stores no EWMA summaries rather than wait for the other ranks.
+        """
         if self._closed:
             return
         self._closed = True
         self._remove_hooks()
         try:
             if self._ewma:
-                self._sink.write_ewma(self._ewma.summaries())
+                if not self._sharded:
+                    self._sink.write_ewma(self._ewma.summaries())
+                elif status == "finished":
+                    self._sink.write_ewma(self._ewma.summaries(self._sharded_ewma_summaries()))
         finally:
             self._sink.close(status)
 
@@ -369,7 +400,7 @@ class Monitor:
         scale = None if self._amp is None else self._amp.step_scale()
         for path, g in rec.grad_outputs.items():
             if g is not None and g.numel() and g.is_floating_point():
-                keys.append(f"{rec.module_name}:{path}")
+                keys.append(f"{clean_name(rec.module_name)}:{path}")
                 # Activation gradients are always those of the scaled loss.
                 tensors.append(g if scale is None else _unscaled(g, scale))
         if tensors:
@@ -390,40 +421,64 @@ class Monitor:
     def _compute(self, s: int) -> None:
         copy = ops.HostCopy()
         red = self._reducer
+        sharded = self._sharded
         jobs = []
         grads = {}
         for n, p in self._params:
             g = p.grad
-            if g is not None and g.numel():
+            if g is not None and g.numel():  # a DTensor's numel is the global one
                 grads[n] = g
+        if not grads and self._params:
+            self._check_not_replaced()
+        counts: dict[str, bool] = {}
+        if sharded:
+            grads, counts = self._shards(grads)
         amp = None
         if self._amp is not None:
             grads = self._unscale(grads)
-            amp = self._queue_amp(grads, copy)
+            amp = self._queue_amp(grads, copy, counts if sharded else None)
+        device = next((distributed.local_tensor(p).device for _, p in self._params),
+                      torch.device("cpu"))
         if "param_grad" in self.kinds:
             if self.local_grads:
                 names = [n for n, p in self._params if p.requires_grad]
                 present = [n for n in names if n in self._local]
-                device = next((p.device for _, p in self._params), torch.device("cpu"))
                 jobs.append(red.local("param_grad", names, present,
-                                      [self._local[n] for n in present], copy, device))
+                                      [self._local[n] for n in present], device))
+            elif sharded:
+                jobs.append(_shard_job(red, "param_grad", grads, counts, device))
             elif grads:
                 jobs.append(red.tensors("param_grad", list(grads), list(grads.values()), copy))
         if "grad_output" in self.kinds and self._pending:
             jobs.append(red.parts(self._pending, copy))
         wants_params = "param" in self.kinds or "update" in self.kinds
         params = [(n, p.detach()) for n, p in self._params if p.numel()] if wants_params else []
+        pcounts: dict[str, bool] = {}
+        if sharded and params:
+            local, pcounts = self._shards(dict(params))
+            params = list(local.items())
         if "param" in self.kinds and params:
-            jobs.append(red.tensors("param", [n for n, _ in params], [p for _, p in params], copy))
+            if sharded:
+                jobs.append(_shard_job(red, "param", dict(params), pcounts, device))
+            else:
+                jobs.append(red.tensors("param", [n for n, _ in params],
+                                        [p for _, p in params], copy))
         ratio = None
         update = self._snapshots.updates(s, params)
         if update is not None:
             names, cur, diffs = update
-            jobs.append(red.tensors("update", names, diffs, copy))
-            ratio = self._snapshots.queue_ratio(cur, diffs, copy)
-        cosine = self._snapshots.queue_cosine(s, grads, copy)
+            if sharded:
+                jobs.append(_shard_job(red, "update", dict(zip(names, diffs)), pcounts, device))
+                ratio = self._snapshots.queue_ratio(cur, diffs, copy, red.reduction,
+                                                    [pcounts[n] for n in names])
+            else:
+                jobs.append(red.tensors("update", names, diffs, copy))
+                ratio = self._snapshots.queue_ratio(cur, diffs, copy)
+        cosine = self._snapshots.queue_cosine(s, grads, copy, red.reduction if sharded else None,
+                                              counts)
         if self._ewma is not None:
             self._ewma.update(grads)
+        red.flush(copy)  # at most two collectives for every reduced statistic of the step
         copy.run()
 
         rows = StepRows(self._series)
@@ -440,9 +495,39 @@ class Monitor:
         if cosine is not None:
             rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
         if amp is not None:
-            rows.add("param_grad", [SCALER_NAME], {"amp_scale": copy.get(amp[0]).reshape(1),
-                                                   "nonfinite": copy.get(amp[1]).reshape(1)})
+            rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
+                                                   "nonfinite": amp[1]().reshape(1)})
         self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
+
+    def _check_not_replaced(self) -> None:
+        """Raise when the model no longer holds the selected parameters (replaced after the
+        Monitor was built, as ``fully_shard`` does): their gradients would never come."""
+        model = self._model()
+        if model is None:
+            return
+        current = {id(p) for p in model.parameters()}
+        gone = [n for n, p in self._params if id(p) not in current]
+        if gone:
+            raise RuntimeError(
+                f"the model no longer holds the parameters this Monitor watches ({gone[0]}"
+                f"{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}): they were replaced "
+                "after it was built (fully_shard does this); build the Monitor after wrapping "
+                "the model")
+
+    def _shards(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, bool]]:
+        """This rank's local part of each tensor, and whether it counts (non-empty, and not a
+        replicated copy other than the first: see :func:`gradtap.distributed.shard`)."""
+        local, counts = {}, {}
+        for n, t in tensors.items():
+            part = distributed.shard(t, n)
+            if n not in self._layouts and distributed.is_dtensor(t):
+                self._layouts[n] = (t.device_mesh, t.placements,  # type: ignore[attr-defined]
+                                    t.shape, t.stride(), part.counts)
+                if self._ewma is not None:
+                    self._ewma.shapes[n] = tuple(t.shape)
+            local[n] = part.local
+            counts[n] = part.counts and part.local.numel() > 0
+        return local, counts
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -456,21 +541,43 @@ class Monitor:
             out[n] = g if factor is None else _unscaled(g, factor)
         return out
 
-    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy) -> tuple[int, int]:
-        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``."""
+    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy,
+                   counts: dict[str, bool] | None = None
+                   ) -> tuple[Callable[[], np.ndarray], Callable[[], np.ndarray]]:
+        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``.
+
+        With ``counts`` (sharded gradients), the count of non-finite elements is summed over
+        the shards that count, and the scaler's own flag over ranks (set if any rank's is),
+        in the step's reduction."""
         assert self._amp is not None
         scale = self._amp.step_scale()
         if scale is None:
             scale = torch.ones((), dtype=torch.float32)
         found = self._amp.found_inf()
+        flag = found is not None
         if found is None:
             # The scaler has not checked yet: count what it will find.
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            for g in grads.values():
-                found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
+            for n, g in grads.items():
+                if counts is None or counts.get(n):
+                    found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
         else:
             found = (found > 0).to(torch.float32)
-        return copy.add(scale.to(torch.float64)), copy.add(found.to(torch.float64))
+        hs = copy.add(scale.to(torch.float64))
+        if counts is not None:
+            red = self._reducer.reduction
+            hr = red.add_sums(found.reshape(1), "amp")
+
+            def found_host() -> np.ndarray:
+                total = red.host_sums(hr)
+                return (total > 0).astype(np.float64) if flag else total
+        else:
+            hf = copy.add(found.to(torch.float64))
+
+            def found_host() -> np.ndarray:
+                return copy.get(hf)
+
+        return lambda: copy.get(hs), found_host
 
     def _history(self) -> Run | MemoryRun:
         """The one view every query reads: the store's ``Run``, or the run in memory."""
@@ -479,6 +586,54 @@ class Monitor:
             return Run(self._store_path)
         assert isinstance(self._sink, MemoryRun)
         return self._sink
+
+    def _as_layout(self, name: str, t: Tensor) -> Tensor:
+        """``t`` (this rank's part) as a DTensor laid out like ``name``'s gradient, if sharded."""
+        layout = self._layouts.get(name)
+        if layout is None:
+            return t
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride, _ = layout
+        return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+    def _sharded_ewma_summaries(self) -> dict[str, tuple[float, float, float, float]]:
+        """Per parameter ``(mean_norm, mean_absmax, var_mean, var_max)`` of the full EWMA,
+        reduced over the shards (two collectives; every rank calls it)."""
+        assert self._ewma is not None
+        names = [n for n, _ in self._params if n in self._ewma]
+        counts: dict[str, bool] = {}
+        means, vars_ = {}, {}
+        for n in names:
+            m, v = self._ewma.state(n)
+            layout = self._layouts.get(n)
+            counts[n] = m.numel() > 0 and (layout[-1] if layout is not None
+                                           else distributed.world()[0] == 0)
+            means[n], vars_[n] = m, v
+        present = [n for n in names if counts[n]]
+        position = {n: i for i, n in enumerate(names)}
+        group = np.array([position[n] for n in present], dtype=np.int64)
+        red = distributed.Reduction()
+        device = next((distributed.local_tensor(p).device for _, p in self._params),
+                      torch.device("cpu"))
+        handles = []
+        for tensors, needs in ((means, ops.Needs(sumsq=True, minmax=True)),
+                               (vars_, ops.Needs(sum=True, minmax=True))):
+            ts = [tensors[n] for n in present]
+            count = np.array([t.numel() for t in ts], dtype=np.float64)
+            fields = (_assemble_rows(ops.tensor_moments(ts, needs), len(ts)) if ts else
+                      {f: torch.zeros(0, dtype=torch.float64, device=device)
+                       for f in needs.fields()})
+            handles.append(red.add_moments(count, fields, group, names))
+        red.run()
+        (mc, mm), (vc, vm) = (red.moments(h) for h in handles)
+        out = {}
+        for i, n in enumerate(names):
+            out[n] = (float(mm["sumsq"][i].sqrt()),
+                      float(torch.maximum(mm["max"][i], mm["negmin"][i])),
+                      float(vm["sum"][i] / vc[i]), float(vm["max"][i]))
+        return out
 
     def _ewma_state(self, name: str) -> tuple[Tensor, Tensor]:
         if self._ewma is None:
@@ -489,6 +644,25 @@ class Monitor:
         if self._tap is not None:
             self._tap.remove()
         self._hooks.remove()
+
+
+def _assemble_rows(groups: list[tuple[list[int], Any]], n: int) -> dict[str, Tensor]:
+    """Fields of grouped ``tensor_moments`` results back in tensor order."""
+    out: dict[str, Tensor] = {}
+    for idx, m in groups:
+        for f, v in m.items():
+            if f not in out:
+                out[f] = torch.zeros(n, dtype=torch.float64, device=v.device)
+            out[f][torch.tensor(idx, device=v.device)] = v
+    return out
+
+
+def _shard_job(red: StepReducer, kind: str, local: dict[str, Tensor], counts: dict[str, bool],
+               device: torch.device) -> Any:
+    """A job over every name of ``local`` (the same on every rank) from the shards that count."""
+    names = list(local)
+    present = [n for n in names if counts[n]]
+    return red.local(kind, names, present, [local[n] for n in present], device)
 
 
 def _unscaled(g: Tensor, scale: Tensor) -> Tensor:

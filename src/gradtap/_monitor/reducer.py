@@ -9,8 +9,10 @@ Three shapes of job:
   are completed lazily (non-finite counts, two-pass ``m2`` for a dominant mean);
 * parts recorded during backward (``grad_output``, one part per call): exact moments, combined
   per name on the host;
-* rank-local tensors under a process group (``grad_output``, ``local_grads``): exact moments,
-  combined per name and reduced across ranks on the device before the copy.
+* rank-local tensors or shards under a process group (``grad_output``, ``local_grads``, every
+  parameter kind of a sharded model): exact moments, combined per name and reduced across
+  ranks on the device before the copy. All such jobs of a step share one
+  :class:`~gradtap.distributed.Reduction`: at most two collectives per step.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class _Job:
         self.group: np.ndarray | None = None  # parts -> names, when parts are combined
         # (rows, gather) of two-pass m2 queued up front
         self.exact: tuple[np.ndarray, Callable[[], Moments[np.ndarray]]] | None = None
-        # (count, fields, check) handles of the device/DDP path
-        self.reduced: tuple[int, dict[str, int], int] | None = None
+        # block of the step's Reduction (the rank-reduced path)
+        self.reduced: int | None = None
 
 
 class StepReducer:
@@ -71,6 +73,26 @@ class StepReducer:
         self._needs_exact = ops.needs_for(self.stats, exact_nonfinite=True)
         self._scratch = ops.Scratch()
         self._exact_names: dict[str, set[str]] = {}
+        self._reduction: distributed.Reduction | None = None
+
+    # -- the step's reduction across ranks ---------------------------------------------------
+
+    @property
+    def reduction(self) -> distributed.Reduction:
+        """The current step's :class:`~gradtap.distributed.Reduction` (made on first use)."""
+        if self._reduction is None:
+            self._reduction = distributed.Reduction()
+        return self._reduction
+
+    def flush(self, copy: HostCopy) -> None:
+        """Reduce what the step queued across ranks (at most two collectives) and queue the
+        results on ``copy``; call once per step, after the last job, before ``copy.run()``."""
+        if self._reduction is not None:
+            self._reduction.run(copy, reduce=self.reduce)
+
+    def end_step(self) -> None:
+        """Forget the step's reduction."""
+        self._reduction = None
 
     # -- queueing (device work only, no host sync) -------------------------------------------
 
@@ -108,7 +130,7 @@ class StepReducer:
         count = np.concatenate([c for _, c, _ in pending])
         if self.reduce:
             fields = Moments.cat([_assemble(groups, len(k)) for k, _, groups in pending])
-            job.reduced = _queue_reduced(count, fields, group, names, copy)
+            job.reduced = self.reduction.add_moments(count, fields, group, names)
             return job
         job.count = count
         gathers = [ops.host_moments(groups, len(c), copy) for _, c, groups in pending]
@@ -121,9 +143,9 @@ class StepReducer:
         return job
 
     def local(self, kind: str, names: list[str], present: list[str], tensors: list[Tensor],
-              copy: HostCopy, device: torch.device) -> _Job:
-        """A job over rank-local tensors of ``present`` names out of ``names`` (all ranks pass
-        the same ``names``); reduced across ranks when :attr:`reduce`."""
+              device: torch.device) -> _Job:
+        """A job over rank-local tensors (or shards) of ``present`` names out of ``names`` (all
+        ranks pass the same ``names``); reduced across ranks when :attr:`reduce`."""
         job = _Job(kind, names)
         if not tensors:
             if not self.reduce:
@@ -131,15 +153,16 @@ class StepReducer:
                 return job
             # This rank saw no gradient, but the others may have: take part with empty rows.
             fields = _empty_fields(self._needs_exact, self.edges, device)
-            job.reduced = _queue_reduced(np.zeros(0), fields, np.zeros(0, dtype=np.int64),
-                                         names, copy)
+            job.reduced = self.reduction.add_moments(np.zeros(0), fields,
+                                                     np.zeros(0, dtype=np.int64), names)
             return job
         count = np.array([t.numel() for t in tensors], dtype=np.float64)
         groups = ops.tensor_moments(tensors, self._needs_exact, edges=self.edges,
                                     exact_m2=True, scratch=self._scratch)
         position = {n: i for i, n in enumerate(names)}
         group = np.array([position[n] for n in present], dtype=np.int64)
-        job.reduced = _queue_reduced(count, _assemble(groups, len(tensors)), group, names, copy)
+        job.reduced = self.reduction.add_moments(count, _assemble(groups, len(tensors)), group,
+                                                 names)
         return job
 
     # -- finishing (host, after the copy) ----------------------------------------------------
@@ -148,16 +171,17 @@ class StepReducer:
                ) -> tuple[list[str], np.ndarray, Moments[np.ndarray]]:
         """``(names, element counts, refined moments)`` of a job after ``copy.run()``."""
         if job.reduced is not None:
-            hc, hf, hcheck = job.reduced
-            if distributed.layout_mismatch(copy.get(hcheck)):
+            red = self.reduction
+            if red.host_mismatch():
                 raise RuntimeError(
-                    f"ranks reduced different {job.kind} tensors at step {step}; every "
-                    "rank must run the selected modules and produce the same output slots"
+                    f"ranks reduced different tensors at step {step} ({job.kind} among them); "
+                    "every rank must select the same parameters, run the selected modules and "
+                    "produce the same output slots"
                 )
-            count = copy.get(hc)
+            count, fields = red.host_moments(job.reduced)
             keep = np.flatnonzero(count > 0)
-            fields = Moments.coerce({f: copy.get(h)[keep] for f, h in hf.items()})
-            return [job.names[i] for i in keep], count[keep], fields
+            return ([job.names[i] for i in keep], count[keep],
+                    fields.map(lambda v: v[keep]))
         if not job.names or job.gather is None:
             return [], job.count, Moments()
         raw = job.gather()
@@ -194,9 +218,3 @@ def _empty_fields(needs: ops.Needs, edges: Tensor | None, device: torch.device) 
     if edges is not None:
         fields["hist"] = torch.zeros(0, edges.numel() - 1, dtype=torch.float64, device=device)
     return Moments.coerce(fields)
-
-
-def _queue_reduced(count: np.ndarray, fields: Moments[Tensor], group: np.ndarray,
-                   names: list[str], copy: HostCopy) -> tuple[int, dict[str, int], int]:
-    rcount, rfields, check = distributed.reduce_parts(count, fields, group, names)
-    return copy.add(rcount), {f: copy.add(v) for f, v in rfields.items()}, copy.add(check)
