@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast
 
@@ -25,9 +26,32 @@ from torch import nn
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
-__all__ = ["select_module_parameters", "select_modules", "select_parameters"]
+__all__ = ["select_module_parameters", "select_modules", "select_parameters", "unwrap"]
 
 T = TypeVar("T")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a ``torch.compile`` wrapper, so that every name is the name in
+    the user's model (no ``_orig_mod.`` prefix). Any other module is returned as it is.
+
+    Every feature calls this on the model it is given, so a compiled model and the model it
+    compiles name modules and parameters the same way. (``model.compile()`` compiles in
+    place and adds no wrapper: the model is returned as it is.)
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 1))
+        >>> unwrap(torch.compile(net)) is net, unwrap(net) is net
+        (True, True)
+    """
+    # Nothing is compiled until Dynamo is imported (importing it here would cost a second).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return model
+    while isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def select_modules(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:

@@ -26,9 +26,9 @@ from gradtap._monitor.meta import run_meta
 from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch, check_scaler, tap
+from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, tap
 from gradtap.record import GradRecord
-from gradtap.select import select_parameters
+from gradtap.select import select_parameters, unwrap
 from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,6 +138,7 @@ class Monitor:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
         check_scaler(scaler, "Monitor")
+        compiled, model = model, unwrap(model)  # a compiled model: named as the original
         self.stats = ops.check_stats(stats)
         self.kinds = _check_kinds(kinds)
         if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
@@ -181,7 +182,8 @@ class Monitor:
         self._store_path = None if store is None else os.fspath(store)
         try:
             if "grad_output" in self.kinds:
-                self._tap = tap(model, select, store=False, on_record=self._on_record)
+                with compiled_feature("Monitor(kinds=['grad_output'])"):
+                    self._tap = tap(compiled, select, store=False, on_record=self._on_record)
             if local_grads:
                 for name, p in self._params:
                     if p.requires_grad:

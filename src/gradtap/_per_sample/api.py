@@ -51,10 +51,17 @@ from gradtap._per_sample.units import (
     replay_frames,
 )
 from gradtap._types import Selector
-from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
+from gradtap.capture import (
+    HookSet,
+    Listener,
+    at_end_of_backward,
+    compiled_feature,
+    current_backward,
+    tap,
+)
 from gradtap.errors import GradtapError, SelectionError
 from gradtap.record import GradRecord, flatten_tensors
-from gradtap.select import select_module_parameters
+from gradtap.select import select_module_parameters, unwrap
 
 __all__ = ["PerSample", "Quantity", "per_sample"]
 
@@ -100,6 +107,7 @@ class PerSample:
         self._want_stats = bool(STATS & set(quantities))
         self._want_var = bool({"variance", "snr"} & set(quantities))
 
+        compiled, model = model, unwrap(model)  # a compiled model: named as the original
         params = select_module_parameters(model, select)
         self._params = {n: p for n, p in params if p.requires_grad}
         if not self._params:
@@ -125,13 +133,14 @@ class PerSample:
         # (hundreds of MB of per-sample gradients) until the cyclic garbage collector runs.
         me = weakref.ref(self)
         self._hooks = HookSet()
-        self._tap = tap(
-            model,
-            select=lambda name, _module: name in owners,
-            keep=("inputs",),
-            store=False,
-            listener=_Forward(me),
-        )
+        with compiled_feature("per_sample"):
+            self._tap = tap(
+                compiled,
+                select=lambda name, _module: name in owners,
+                keep=("inputs",),
+                store=False,
+                listener=_Forward(me),
+            )
         try:
             for name, module in enclosing_modules(model, self._owners):
                 self._hooks.module_calls(

@@ -20,7 +20,8 @@ from gradtap._transform.apply import install
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap, check_scaler
+from gradtap.capture import HookSet, Tap, check_scaler, compiled_feature
+from gradtap.select import unwrap
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -54,7 +55,7 @@ class TransformHandle:
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         check_scaler(scaler, "transform")
-        self._plan = make_plan(model, rules, when, on, optimizer)
+        self._plan = make_plan(unwrap(model), rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
         self._hooks = HookSet()
@@ -63,7 +64,11 @@ class TransformHandle:
         try:
             self._states = StateTable(self._plan)
             amp = None if scaler is None else self._hooks.grad_scaler(scaler)
-            self._tap = install(model, self._plan, self._states, self._hooks, optimizer, amp)
+            feature = (f"transform(on={self.on!r})" if self.on != "param_grad"
+                       else f"transform(when={self.when!r})")
+            with compiled_feature(feature):
+                self._tap = install(model, self._plan, self._states, self._hooks, optimizer,
+                                    amp)
         except BaseException:
             self.remove()
             raise
