@@ -180,7 +180,7 @@ def _message(feature: str, model: nn.Module, root: nn.Module, parts: list[nn.Mod
         else:
             name = names.get(id(part), "")
             where.append("the model" if name == "" else f"module {name!r}")
-    shown = [n or "<model>" for n, _ in modules[:4]]
+    shown = [repr(n) if n else "the model's own call" for n, _ in modules[:4]]
     more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
     return (f"gradtap: {feature} on a compiled model runs {', '.join(where)} eagerly while it "
             f"is active: its per-call records need forward hooks on {', '.join(shown)}{more}, "
