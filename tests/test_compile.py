@@ -379,3 +379,44 @@ def test_inductor_monitor_matches_eager():
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+
+# Dynamo's tracing of the post-accumulate hook reads .grad of its fake parameter (torch's own).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_autograd_parameter_features_match_the_plain_backward():
+    # What the docs say works under compiled autograd: Monitor's parameter kinds (no hook),
+    # transform on accumulate (per-parameter rules) and on step.
+    from torch._dynamo import compiled_autograd
+
+    def make(m: nn.Module, opt: Any) -> tuple[Any, ...]:
+        return (gt.Monitor(m, kinds=("param_grad", "update"), ewma=0.9),
+                gt.transform(m, {"a.*": gt.clip_norm(0.05)}),
+                gt.transform(m, {"b.*": gt.scale(0.5)}, when="step", optimizer=opt))
+
+    runs = {}
+    for enabled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = Net()
+        model = torch.compile(net, backend="aot_eager")
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        mon, *_ = make(model, opt)
+        torch.manual_seed(1)
+        for _ in range(2):
+            loss = F.mse_loss(model(torch.randn(6, 4)), torch.randn(6, 3))
+            if enabled:
+                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                    loss.backward()
+            else:
+                loss.backward()
+            mon.step()
+            opt.step()
+            opt.zero_grad()
+        runs[enabled] = (net, _frame(mon), mon.ewma_var("a.weight"))
+    (plain, want, var), (comp, got, var_c) = runs[False], runs[True]
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    torch.testing.assert_close(var_c, var)
+    for (n, p), (_, q) in zip(comp.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, msg=n)

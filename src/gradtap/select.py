@@ -42,7 +42,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     Example:
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 1))
-        >>> unwrap(torch.compile(net)) is net, unwrap(net) is net
+        >>> unwrap(torch.compile(net, backend="eager")) is net, unwrap(net) is net
         (True, True)
     """
     # Nothing is compiled until Dynamo is imported (importing it here would cost a second).
