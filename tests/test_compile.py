@@ -183,7 +183,8 @@ def test_monitor_every_kind_matches_eager(mode):
         warnings.simplefilter("always")
         _, eager, grads = train("eager", make, _step)
         _, comp, _ = train(mode, make, _step)
-    assert len([w for w in caught if "Monitor(kinds=['grad_output'])" in str(w.message)]) == 1
+    said = [w for w in caught if "Monitor(kinds=['grad_output'])" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
     want, got = _frame(eager), _frame(comp)
     assert sorted(got) == sorted(want)
     torch.testing.assert_close(torch.tensor([got[k] for k in sorted(want)]),
@@ -251,6 +252,7 @@ def test_tap_records_match_eager_and_the_warning_comes_once(mode):
         assert len(said) == (0 if m == "eager" else 1)
         if said:
             assert "gt.tap" in str(said[0].message) and "'a'" in str(said[0].message)
+            assert said[0].filename == __file__  # points at the user's line
         results[m] = t.records
     assert len(results[mode]) == len(results["eager"]) == 4
     for r, e in zip(results[mode], results["eager"]):

@@ -13,6 +13,8 @@ compiled forward as it is.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 import weakref
@@ -157,7 +159,8 @@ def run_eagerly(model: nn.Module, root: nn.Module, modules: list[tuple[str, nn.M
         _change(part, more)
     feature = _FEATURE.get()
     if feature is not None:
-        warnings.warn(_message(feature, model, root, parts, modules), UserWarning, stacklevel=4)
+        warnings.warn(_message(feature, model, root, parts, modules), UserWarning,
+                      stacklevel=_caller_level())
     released = False
 
     def release() -> None:
@@ -168,6 +171,19 @@ def run_eagerly(model: nn.Module, root: nn.Module, modules: list[tuple[str, nn.M
                 _change(part, fewer)
 
     return release
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside gradtap (and contextlib): the user's
+    line that made the feature."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)  # run_eagerly, stacklevel 1
+    level = 1
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(here)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _message(feature: str, model: nn.Module, root: nn.Module, parts: list[nn.Module],
