@@ -83,7 +83,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 11)")
     parser.add_argument("--backend", default=None,
                         help="torch.compile backend (default inductor; 'eager' with --quick)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> str:
     torch.manual_seed(0)
     if args.quick:
         builders = {"mlp": ("MLP", lambda: _models.mlp(batch=4, hidden=32)),
