@@ -20,6 +20,12 @@ def test_tap_overhead_quick(capsys):
         assert table.count("\n") == 4  # header, rule, three models
 
 
+def test_compile_overhead_quick(capsys):
+    table = importlib.import_module("compile_overhead").main(["--quick"])
+    assert "compiled monitor" in table and "eager monitor" in table
+    assert table.count("\n") == 3  # header, rule, two models
+
+
 def test_run_all_rejects_unknown(capsys):
     with pytest.raises(SystemExit):
         importlib.import_module("run_all").main(["no_such_benchmark"])

@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from gradtap._text import format_table
 from gradtap._types import Selector
-from gradtap.capture import legacy_backward_grads, tap
+from gradtap.capture import compiled_feature, legacy_backward_grads, tap
 from gradtap.record import GradRecord, describe_row, flatten_tensors
-from gradtap.select import select_modules
+from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Explanation", "explain"]
 
@@ -98,14 +98,14 @@ def explain(
         >>> ex.legacy[("2", 0)]["parameter:weight"]
         '2 (transposed)'
     """
-    selected = select_modules(model, select)
+    selected = select_modules(unwrap_model(model), select)
     saved_grads = {p: p.grad for p in model.parameters()}
     for p in saved_grads:
         p.grad = None  # backward would otherwise accumulate into the user's tensors in place
     saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     legacy_hooks, legacy_seen = legacy_backward_grads(selected) if legacy else (None, {})
     try:
-        with tap(model, select=select) as t, \
+        with compiled_feature(None), tap(model, select=select) as t, \
                 warnings.catch_warnings():
             # The legacy hook warns that it is deprecated; that is why we are here.
             warnings.filterwarnings("ignore", message=".*non-full backward hook.*")

@@ -26,7 +26,7 @@ from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
 __all__ = ["clean_name", "select_module_parameters", "select_modules", "select_parameters",
-           "unwrap_model"]
+           "unwrap_model", "wrapper_chain"]
 
 #: Wrapper classes (by name, anywhere in the class's MRO) and the attribute holding the model
 #: they wrap: DDP, DataParallel, torch.compile, FSDP1, activation checkpointing.
@@ -36,6 +36,8 @@ _WRAPPERS = {
     "OptimizedModule": "_orig_mod",
     "FullyShardedDataParallel": "_fsdp_wrapped_module",
     "CheckpointWrapper": "_checkpoint_wrapped_module",
+    "_LightningModuleWrapperBase": "module",
+    "_FabricModule": "module",
 }
 #: Name components that only wrappers add; :func:`clean_name` drops them.
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -242,28 +244,54 @@ def _preview(names: list[str], limit: int = 8) -> str:
     return ", ".join(shown) + (f", ... ({more} more)" if more > 0 else "") if shown else "(none)"
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside training wrappers: ``DistributedDataParallel`` and
-    ``DataParallel`` (``.module``), ``torch.compile`` (``._orig_mod``), FSDP1
-    (``._fsdp_wrapped_module``) and checkpoint wrappers, however deeply nested at the root.
-    FSDP2's ``fully_shard`` does not wrap (the model is returned as it is).
+def wrapper_chain(model: nn.Module) -> list[nn.Module]:
+    """``model`` and every training wrapper inside it, outermost first, ending with the user's
+    model (see :func:`unwrap_model`).
 
     Example:
         >>> from torch import nn
         >>> net = nn.Linear(2, 1)
-        >>> unwrap_model(nn.DataParallel(net)) is net
-        True
+        >>> [type(m).__name__ for m in wrapper_chain(nn.DataParallel(net))]
+        ['DataParallel', 'Linear']
     """
-    seen: set[int] = set()
-    while id(model) not in seen:
-        seen.add(id(model))
+    chain = [model]
+    seen = {id(model)}
+    while True:
+        inner = None
         for cls in type(model).__mro__:
             attr = _WRAPPERS.get(cls.__name__)
-            inner = getattr(model, attr, None) if attr else None
-            if isinstance(inner, nn.Module):
-                model = inner
+            found = getattr(model, attr, None) if attr else None
+            if isinstance(found, nn.Module):
+                inner = found
                 break
-    return model
+        if inner is None or id(inner) in seen:
+            return chain
+        seen.add(id(inner))
+        chain.append(inner)
+        model = inner
+
+
+def unwrap_model(model: nn.Module, *, keep_compiled: bool = False) -> nn.Module:
+    """The user's model inside training wrappers: ``DistributedDataParallel`` and
+    ``DataParallel`` (``.module``), ``torch.compile`` (``._orig_mod``), FSDP1
+    (``._fsdp_wrapped_module``), checkpoint wrappers and Lightning's and Fabric's module
+    wrappers, however deeply nested at the root. FSDP2's ``fully_shard`` does not wrap (the
+    model is returned as it is). With ``keep_compiled=True`` it stops at the outermost
+    ``torch.compile`` wrapper, whose hooks run outside compiled code.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Linear(2, 1)
+        >>> unwrap_model(nn.DataParallel(net)) is net
+        True
+        >>> unwrap_model(torch.compile(net, backend="eager")) is net
+        True
+    """
+    chain = wrapper_chain(model)
+    if keep_compiled:
+        return next((m for m in chain if "_orig_mod" in m._modules), chain[-1])
+    return chain[-1]
 
 
 def clean_name(name: str) -> str:

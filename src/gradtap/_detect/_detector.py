@@ -32,7 +32,7 @@ from gradtap._detect._spikes import ParamSpikes, Spike, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._tensorops.sharded import all_ranks_max, is_sharded, world
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch, check_scaler
+from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature
 from gradtap.errors import GradientAnomaly
 from gradtap.select import select_modules, unwrap_model
 
@@ -71,8 +71,9 @@ class Detector:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
-        # Under DDP the inner module is watched and replayed: its forward has no collectives.
-        model = unwrap_model(model)
+        # Under DDP the inner module is watched and replayed (its forward has no collectives);
+        # a compiled model keeps its wrapper (the screen's hooks stay outside compiled code).
+        model = unwrap_model(model, keep_compiled=True)
         check_scaler(scaler, "detect")
         if action not in _ACTIONS:
             raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
@@ -110,11 +111,13 @@ class Detector:
         self.action: ActionLiteral = action
         self.anomalies: list[Anomaly] = []
 
-        selected = select_modules(model, select)  # raises SelectionError naming close names
+        # A compiled model keeps its wrapper (the screen's hooks stay outside compiled code);
+        # names are those of the model it compiles.
+        selected = select_modules(unwrap_model(model), select)  # SelectionError naming close names
         self._model, self._select = model, select
         self._options = options or WatchOptions()
         self._selected = {name for name, _ in selected}
-        self._modules: dict[str, nn.Module] = dict(model.named_modules())
+        self._modules: dict[str, nn.Module] = dict(unwrap_model(model).named_modules())
         self._step = 0
         self._skip = False
         self._rank, self._world = world()
@@ -143,10 +146,11 @@ class Detector:
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
         # gradient coming from the loss, and it catches what unselected code does.
-        self._watch = CallWatch(model, selected, nonfinite=self.nonfinite,
-                                keep_forward=self.dump_dir is not None,
-                                spikes=self._spikes if self.spike is not None else None,
-                                options=self._options)
+        with compiled_feature("detect(replay=False)"):
+            self._watch = CallWatch(model, selected, nonfinite=self.nonfinite,
+                                    keep_forward=self.dump_dir is not None,
+                                    spikes=self._spikes if self.spike is not None else None,
+                                    options=self._options)
         self._watch.on_backward_end = self._emit
 
     # -- public -------------------------------------------------------------------------------
@@ -347,8 +351,9 @@ class Detector:
         """Replay the step under a per-call watch to name the first spiking module in backward
         order (innermost) and show its call's record, grad_outputs included."""
         assert self._screen is not None and self._param_spikes is not None
-        watch = CallWatch(self._model, select_modules(self._model, self._select),
-                          options=WatchOptions(eager_on_cpu=False), step=self._step)
+        with compiled_feature(None):  # a replay runs eagerly, and says nothing
+            watch = CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
+                              options=WatchOptions(eager_on_cpu=False), step=self._step)
         watch.plans = []
         try:
             self._replay(watch, backward)
@@ -412,9 +417,10 @@ class Detector:
         loss = next((s.tensor for s in suspects if s.where == "loss"), None)
         if loss is not None:
             backward = []
-        watch = CallWatch(self._model, select_modules(self._model, self._select),
-                          keep_forward=self.dump_dir is not None, options=self._options,
-                          step=self._step)
+        with compiled_feature(None):  # a replay runs eagerly, and says nothing
+            watch = CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
+                              keep_forward=self.dump_dir is not None, options=self._options,
+                              step=self._step)
         failure: BaseException | None = None
         try:
             self._replay(watch, backward)

@@ -36,8 +36,16 @@ from gradtap import _tensorops as ops
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
 from gradtap._tensorops.sharded import local
-from gradtap.capture import HookSet, OncePerBackward, argument_tensors, in_recomputation
+from gradtap.capture import (
+    HookSet,
+    OncePerBackward,
+    argument_tensors,
+    compiled_feature,
+    in_recomputation,
+    run_eagerly,
+)
 from gradtap.record import flatten_tensors
+from gradtap.select import unwrap_model
 
 __all__ = ["RootCall", "Screen", "Suspect"]
 
@@ -109,7 +117,10 @@ class Screen:
     """Light hooks on the model, and on ``modules`` (named) too; see the module docstring."""
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        # A compiled model: the hooks go on its wrapper (outside compiled code), the names
+        # come from the model it compiles.
         self.model = model
+        root = unwrap_model(model)
         self.calls: list[RootCall] = []  # this step's calls of the model, in call order
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
@@ -131,13 +142,13 @@ class Screen:
         self._bad_params: dict[int, Tensor] = {}
         self._finite_at_start: dict[int, Tensor] = {}
         # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
-        self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
+        self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in root.modules())
         # Parameters read once (cheaper per check). Small ones are grouped by device and dtype
         # as their gradients will be (one fused finiteness pass a group at the check); a large
         # one's gradient is summed as soon as it is accumulated, while it is still in cache.
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
         self._large_params: list[tuple[str, Tensor]] = []
-        for name, p in model.named_parameters():
+        for name, p in root.named_parameters():
             if p.is_floating_point() and p.numel():
                 if p.numel() >= _host.BIG and not self._maybe_sparse:
                     self._large_params.append((name, p))
@@ -147,14 +158,19 @@ class Screen:
         # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
         self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
         self.cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        self._arguments = argument_tensors(model)
+        self._arguments = argument_tensors(root)
         self.hooks = HookSet()
         for _, param in self._large_params:
             if param.requires_grad:
                 self.hooks.post_accumulate_grad(param, self._sum_grad)
         for name, module in modules:
-            if module is not model:
+            if module is not model and module is not root:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
+        if modules:
+            with compiled_feature("detect(screen='modules')"):
+                release = run_eagerly(model, root, modules)
+            if release is not None:
+                self.hooks.add_cleanup(release)
         self.hooks.module_calls(model, self._before, self._after)
 
     # -- hooks (no host sync) -----------------------------------------------------------------

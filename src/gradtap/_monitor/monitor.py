@@ -28,7 +28,7 @@ from gradtap._monitor.meta import run_meta
 from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch, check_scaler, tap
+from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, tap
 from gradtap.record import GradRecord
 from gradtap.select import clean_name, select_parameters, unwrap_model
 from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
@@ -141,9 +141,10 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
-        # DDP / torch.compile / FSDP1 wrappers: watch (and name) the model inside.
-        model = unwrap_model(model)
         check_scaler(scaler, "Monitor")
+        # DDP / torch.compile / FSDP1 wrappers: watch (and name) the model inside; a
+        # compiled model's per-call taps go through its wrapper (they run eagerly).
+        compiled, model = model, unwrap_model(model)
         self.stats = ops.check_stats(stats)
         self.kinds = _check_kinds(kinds)
         if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
@@ -198,7 +199,8 @@ class Monitor:
         self._store_path = None if store is None else os.fspath(store)
         try:
             if "grad_output" in self.kinds:
-                self._tap = tap(model, select, store=False, on_record=self._on_record)
+                with compiled_feature("Monitor(kinds=['grad_output'])"):
+                    self._tap = tap(compiled, select, store=False, on_record=self._on_record)
             if local_grads:
                 for name, p in self._params:
                     if p.requires_grad:

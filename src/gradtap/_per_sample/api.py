@@ -51,7 +51,14 @@ from gradtap._per_sample.units import (
     replay_frames,
 )
 from gradtap._types import Selector
-from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
+from gradtap.capture import (
+    HookSet,
+    Listener,
+    at_end_of_backward,
+    compiled_feature,
+    current_backward,
+    tap,
+)
 from gradtap.errors import GradtapError, SelectionError
 from gradtap.record import GradRecord, flatten_tensors
 from gradtap.select import select_module_parameters, unwrap_model
@@ -100,7 +107,9 @@ class PerSample:
         self._want_stats = bool(STATS & set(quantities))
         self._want_var = bool({"variance", "snr"} & set(quantities))
 
-        model = unwrap_model(model)  # DDP's .module: names without wrapper prefixes
+        # Named as the user's model (no DDP or compile prefixes); a compiled model's taps go
+        # through its wrapper (they run eagerly).
+        compiled, model = model, unwrap_model(model)
         params = select_module_parameters(model, select)
         self._params = {n: p for n, p in params if p.requires_grad}
         if not self._params:
@@ -126,13 +135,14 @@ class PerSample:
         # (hundreds of MB of per-sample gradients) until the cyclic garbage collector runs.
         me = weakref.ref(self)
         self._hooks = HookSet()
-        self._tap = tap(
-            model,
-            select=lambda name, _module: name in owners,
-            keep=("inputs",),
-            store=False,
-            listener=_Forward(me),
-        )
+        with compiled_feature("per_sample"):
+            self._tap = tap(
+                compiled,
+                select=lambda name, _module: name in owners,
+                keep=("inputs",),
+                store=False,
+                listener=_Forward(me),
+            )
         try:
             for name, module in enclosing_modules(model, self._owners):
                 self._hooks.module_calls(

@@ -25,6 +25,7 @@ from gradtap._transform.plan import Plan, Rule
 from gradtap._transform.state import Entry, StateTable
 from gradtap._transform.update import apply_group, apply_one
 from gradtap.capture import HookSet, Listener, ScalerWatch, Tap, tap
+from gradtap.select import unwrap_model
 
 __all__ = ["install"]
 
@@ -145,7 +146,7 @@ def _install_backward(model: nn.Module, targets: _Group, hooks: HookSet,
     # in the calls of each module that owns it directly.
     by_id = {id(param): _Owned(entry, param) for entry, param in targets}
     direct: dict[tuple[str, str], _Owned] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
+    for mod_name, module in unwrap_model(model).named_modules(remove_duplicate=False):
         for p_name, p in module.named_parameters(recurse=False):
             owned = by_id.get(id(p))
             if owned is not None and (mod_name, p_name) not in direct:

@@ -20,7 +20,7 @@ from gradtap._transform.apply import install
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap, check_scaler
+from gradtap.capture import HookSet, Tap, check_scaler, compiled_feature
 from gradtap.select import unwrap_model
 
 __all__ = ["Rules", "TransformHandle", "transform"]
@@ -57,8 +57,9 @@ class TransformHandle:
         check_scaler(scaler, "transform")
         if isinstance(model, nn.Module):
             _check_ddp(model, when, on)
-            model = unwrap_model(model)  # DDP's .module, a compiled model's original: no prefixes
-        self._plan = make_plan(model, rules, when, on, optimizer)
+        # Named as the user's model (no DDP or compile prefixes); the hooks go through the
+        # wrappers, so a compiled model's per-call taps run eagerly.
+        self._plan = make_plan(unwrap_model(model), rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
         self._hooks = HookSet()
@@ -67,7 +68,11 @@ class TransformHandle:
         try:
             self._states = StateTable(self._plan)
             amp = None if scaler is None else self._hooks.grad_scaler(scaler)
-            self._tap = install(model, self._plan, self._states, self._hooks, optimizer, amp)
+            feature = (f"transform(on={self.on!r})" if self.on != "param_grad"
+                       else f"transform(when={self.when!r})")
+            with compiled_feature(feature):
+                self._tap = install(model, self._plan, self._states, self._hooks, optimizer,
+                                    amp)
         except BaseException:
             self.remove()
             raise

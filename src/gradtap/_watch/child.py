@@ -33,9 +33,8 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap.capture import HookSet, ScalerWatch
-from gradtap.integrations._callback import unwrap
 from gradtap.report.data import write_anomalies
-from gradtap.select import select_parameters
+from gradtap.select import select_parameters, unwrap_model
 
 __all__ = ["install", "uninstall", "owner_model", "store_path"]
 
@@ -284,7 +283,7 @@ def owner_model(params: list[torch.Tensor]) -> tuple[nn.Module | None, int]:
             continue
         held = {id(p) for p in m.parameters()} & wanted
         if held:
-            model = unwrap(m)
+            model = unwrap_model(m)
             roots.setdefault(id(model), (model, held))
     chosen: list[nn.Module] = []
     covered: set[int] = set()

@@ -16,6 +16,9 @@ they use these names:
   forward tensors back from the graph for a report;
 * :class:`ScalerWatch` (``HookSet.grad_scaler``): the factor a ``GradScaler`` left on each
   gradient of this step, and whether it found an inf/NaN (``amp.py``);
+* :func:`compiled_feature`: which feature a tap on a compiled model serves, for the one
+  warning saying that it runs eagerly; :func:`run_eagerly` for module hooks made without a
+  tap (``compiled.py``);
 * :func:`sequence_mark` and :func:`made_since`: whether a tensor was made after a point;
 * :func:`argument_tensors`: a call's tensor arguments named as the records name them;
   :func:`legacy_backward_grads` for ``explain(legacy=True)``.
@@ -24,6 +27,7 @@ they use these names:
 from __future__ import annotations
 
 from gradtap.capture.amp import ScalerWatch, check_scaler
+from gradtap.capture.compiled import compiled_feature, run_eagerly
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
 from gradtap.capture.graph import made_since, sequence_mark
 from gradtap.capture.hookset import HookSet
@@ -43,12 +47,14 @@ __all__ = [
     "argument_tensors",
     "at_end_of_backward",
     "check_scaler",
+    "compiled_feature",
     "current_backward",
     "graph_nodes",
     "in_recomputation",
     "legacy_backward_grads",
     "made_since",
     "replaying",
+    "run_eagerly",
     "saved_tensors",
     "sequence_mark",
     "tap",

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from gradtap.capture.amp import ScalerWatch, around_any_scaler_step
+from gradtap.capture.compiled import around_compiled_call, compiled_in_place
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
 from gradtap.capture.replay import replay_running
 
@@ -133,7 +134,23 @@ class HookSet:
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
                      after: Callable[[Any], None]) -> None:
         """Run ``before(args, kwargs)`` and ``after(output)`` around each call of ``module``
-        (``after`` only when the call returns)."""
+        (``after`` only when the call returns). On a module compiled in place
+        (``module.compile()``) they run around its compiled call instead, outside compiled
+        code, so they add no graph break (``before`` then sees the arguments before any of the
+        module's own pre-hooks)."""
+        if compiled_in_place(module):
+            live = self._live
+
+            def outer_before(args: tuple, kwargs: dict) -> None:
+                if live() and before is not None:
+                    before(args, kwargs)
+
+            def outer_after(output: Any) -> None:
+                if live():
+                    after(output)
+
+            self._cleanups.append(around_compiled_call(module, outer_before, outer_after))
+            return
         if before is not None:
 
             def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:

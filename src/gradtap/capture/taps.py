@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gradtap._types import KeepLiteral, Selector
+from gradtap.capture.compiled import run_eagerly
 from gradtap.capture.engine import next_sequence_nr
 from gradtap.capture.forward import note_inputs, note_outputs
 from gradtap.capture.hookset import HookSet
@@ -28,7 +29,7 @@ from gradtap.capture.naming import ModuleInfo
 from gradtap.capture.replay import in_recomputation, stands_aside
 from gradtap.capture.state import Call, Recorder
 from gradtap.record import GradRecord
-from gradtap.select import select_modules
+from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Tap", "tap"]
 
@@ -62,10 +63,14 @@ class Tap:
                                   "outputs" in kept, torch.device(to) if to is not None else None)
         self._hooks = HookSet()
         self._infos: list[ModuleInfo] = []
-        self.modules = select_modules(model, select)
+        root = unwrap_model(model)
+        self.modules = select_modules(root, select)
         try:
             for name, module in self.modules:
                 self._attach(name, module)
+            release = run_eagerly(model, root, self.modules)
+            if release is not None:
+                self._hooks.add_cleanup(release)
         except BaseException:
             self.remove()
             raise
@@ -172,6 +177,10 @@ def tap(
         listener: a :class:`~gradtap.capture.Listener` told of each forward call and record,
             which may also rewrite gradients as the backward runs (how gradtap's own
             consumers use a tap).
+
+    A compiled model (``torch.compile(model)``, ``model.compile()``) is accepted and named as
+    the model it compiles; while the tap is active its compiled code runs eagerly (the
+    per-call hooks run only in eager code), which a :class:`UserWarning` says once.
 
     Returns:
         A :class:`Tap`; use it as a context manager or call ``.remove()``.

@@ -18,32 +18,13 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._types import Selector
+from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
 
-__all__ = ["CallbackCore", "STATE_FILE", "unwrap"]
+__all__ = ["CallbackCore", "STATE_FILE"]
 
 #: The file the Hugging Face callback writes into each checkpoint directory.
 STATE_FILE = "gradtap_state.pt"
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside the wrappers trainers put around it (DDP's ``module``, a
-    compiled model's ``_orig_mod``), so parameters are named as in the user's model."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        inner = getattr(model, "module", None)
-        if isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS:
-            model = inner
-    return model
-
-
-_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel",
-             "_LightningModuleWrapperBase", "_FabricModule"}
 
 
 class CallbackCore:
@@ -87,7 +68,7 @@ class CallbackCore:
         ``GradScaler`` under mixed precision (statistics of the unscaled gradients; a step
         the scaler skips is an overflow, not an anomaly to skip)."""
         self.stop("finished")
-        model = unwrap(model)
+        model = unwrap_model(model)
         state, self._pending_state = self._pending_state, None
         path = Path(self.store) if self.store is not None else Path(default_dir)
         if self.store is None and state is not None and (path / DB_NAME).exists():

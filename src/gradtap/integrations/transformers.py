@@ -26,7 +26,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
 from gradtap._types import Selector
 from gradtap.capture import HookSet
-from gradtap.integrations._callback import STATE_FILE, CallbackCore, unwrap
+from gradtap.integrations._callback import STATE_FILE, CallbackCore
+from gradtap.select import unwrap_model
 
 __all__ = ["GradtapCallback"]
 
@@ -118,7 +119,7 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
             return
         if state.global_step > 0:
             self._load(args, state)
-        model = unwrap(self._model)
+        model = unwrap_model(self._model)
         self._core.start(model, Path(args.output_dir) / "gradtap",
                          meta={"framework": "transformers"}, scaler=self._scaler)
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
