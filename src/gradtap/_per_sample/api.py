@@ -30,15 +30,17 @@ from typing import Any, Literal, cast, get_args
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.compute import Compute, compute_for
+from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
 from gradtap._per_sample.owners import (
     batch_size_of,
     check_module,
     classify_call,
     describe,
+    Owner,
     enclosing_modules,
     resolve_owners,
+    rows,
 )
 from gradtap._per_sample.results import STATS, results
 from gradtap._per_sample.units import (
@@ -51,7 +53,14 @@ from gradtap._per_sample.units import (
     replay_frames,
 )
 from gradtap._types import Selector
-from gradtap.capture import HookSet, Listener, at_end_of_backward, current_backward, tap
+from gradtap.capture import (
+    HookSet,
+    Listener,
+    at_end_of_backward,
+    current_backward,
+    in_recomputation,
+    tap,
+)
 from gradtap.errors import GradtapError, SelectionError
 from gradtap.record import GradRecord, flatten_tensors
 from gradtap.select import select_module_parameters
@@ -80,6 +89,7 @@ class PerSample:
         batch_dim: int = 0,
         quantities: Iterable[Quantity] = ("grad", "norm"),
         fallback: bool = True,
+        own_grad: bool = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
@@ -116,6 +126,10 @@ class PerSample:
             for qual in owner.direct.values():
                 self._owners_of.setdefault(qual, []).append(owner.name)
         self._warned: set[tuple[str, str]] = set()
+        self.own_grad = bool(own_grad)
+        self._ownable = self._find_ownable() if own_grad else {}
+        self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
+        self._forwards: list[nn.Module] = []
         self._replaying = False
         self._queued = False
         self.batch_size: int | None = None
@@ -139,6 +153,22 @@ class PerSample:
                     functools.partial(_call_kw, me, "_before", name, module),
                     functools.partial(_call, me, "_after", name),
                 )
+            for name, rels in self._ownable.items():
+                module = self._owners[name].module
+                entry = self._owners[name].entry
+                assert entry is not None
+                if entry.own_forward is not None:
+                    if "forward" in vars(module):  # a forward set on the instance: leave it
+                        continue
+                    module.forward = functools.partial(_own_forward, me, name, module,
+                                                       entry.own_forward)
+                    self._forwards.append(module)
+                    before = None
+                else:
+                    before = functools.partial(_call_kw, me, "_own_before", name, module)
+                self._hooks.module_calls(module, before,
+                                         functools.partial(_call, me, "_own_after", name),
+                                         always=True)
             for qual, p in self._params.items():
                 handle = self._hooks.gradient(p, functools.partial(_call, me, "_on_increment",
                                                                    qual))
@@ -149,6 +179,34 @@ class PerSample:
             raise
 
     # -- setup ------------------------------------------------------------------------------
+
+    def _find_ownable(self) -> dict[str, frozenset[str]]:
+        """Owner name -> the parameters (relative names) its calls use detached, when
+        ``own_grad``: every module that holds them has a rule (not a parametrization, not
+        inside a module without a rule, whose replay would cover them)."""
+        ruleless = [o.name for o in self._owners.values() if o.entry is None]
+
+        def has_rule(name: str) -> bool:
+            owner = self._owners[name]
+            return (owner.entry is not None and not owner.parametrized
+                    and not any(r == "" or name.startswith(r + ".") for r in ruleless))
+
+        ownable: dict[str, frozenset[str]] = {}
+        for name, owner in self._owners.items():
+            if not has_rule(name):
+                continue
+            assert owner.entry is not None
+            if owner.rule is not None:
+                rels = dict(owner.direct)
+            elif owner.entry.own_forward is not None:
+                rels = {**owner.direct, **{rel: q for rel, (q, _) in owner.nested.items()}}
+            else:
+                continue
+            rels = {rel: q for rel, q in rels.items()
+                    if all(has_rule(o) for o in self._owners_of.get(q, ()))}
+            if rels:
+                ownable[name] = frozenset(rels)
+        return ownable
 
     def _reset(self) -> None:
         self.batch_size = None
@@ -164,6 +222,8 @@ class PerSample:
             owner.calls = 0
             owner.seen = set()
         self._frames: list[Frame] = []
+        self._own_pending: dict[str, object] = {}  # owner -> its call now running, owned
+        self._own_calls: dict[tuple[str, int], object] = {}  # (owner, call) -> what it read
         self._new_group()
         self._new_backward()
 
@@ -181,6 +241,8 @@ class PerSample:
 
     def _new_backward(self) -> None:
         """Forget what the last backward computed (merged already) and its increments."""
+        self._own_grad: dict[str, Tensor] = {}  # own_grad: what this backward adds to .grad
+        self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
         self._step_grad: dict[str, Tensor] = {}
         self._step_norm_sq: dict[str, Tensor] = {}
         self._step_sum_sq: dict[str, Tensor] = {}
@@ -225,6 +287,46 @@ class PerSample:
         if not any(f is not None for _, f in self._stack):
             self._settle()
 
+    def _may_own(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether this call's selected parameters are used detached (``own_grad``): a
+        forward that builds a graph, one row per sample in the first tensor argument, and a
+        tensor argument that requires grad (so that the output still does)."""
+        if (self._replaying or self.batch_size is None or not torch.is_grad_enabled()
+                or current_backward() is not None or in_recomputation()):
+            return False
+        tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
+        return (bool(tensors) and rows(tensors[0], self.batch_dim) == self.batch_size
+                and any(t.requires_grad for t in tensors))
+
+    def _own_before(self, name: str, module: nn.Module, args: tuple,
+                    kwargs: dict[str, Any]) -> None:
+        swaps: list[tuple[nn.Module, str, Tensor]] = []
+        if self._may_own(args, kwargs):
+            held = module._parameters
+            for rel in self._ownable[name]:
+                p = held.get(rel)
+                if p is not None:
+                    swaps.append((module, rel, p))
+                    held[rel] = p.detach()
+            self._own_pending[name] = frozenset(rel for _, rel, _ in swaps)
+        self._swapped.append((name, swaps))
+
+    def _own_after(self, name: str, _output: Any) -> None:
+        self._own_pending.pop(name, None)  # not seen by the tap: not owned
+        if self._swapped and self._swapped[-1][0] == name:
+            for module, rel, p in self._swapped.pop()[1]:
+                module._parameters[rel] = p
+
+    def _own_forward_call(self, name: str, module: nn.Module, forward: Any, args: tuple,
+                          kwargs: dict[str, Any]) -> Any:
+        if self._may_own(args, kwargs):
+            call = _OwnCall(self._hooks, self._ownable[name], module)
+            out = forward(module, args, kwargs, call)
+            if out is not None:
+                self._own_pending[name] = call
+                return out
+        return type(module).forward(module, *args, **kwargs)
+
     def _forward_starts(self) -> None:
         if self._group_done or self._outer_calls >= MAX_OUTER_CALLS:
             self._new_group()
@@ -261,6 +363,10 @@ class PerSample:
             return
         owner = self._owners[name]
         owner.calls += 1
+        if self._own_pending:
+            own = self._own_pending.pop(name, None)
+            if own is not None:
+                self._own_calls[(name, call)] = own
         check_module(name, module, self.batch_dim, owner.entry is None)
         # The calls around this one (its own too, when it is one: a replay of it with every
         # argument as passed is the first thing to try for a module without a rule).
@@ -327,6 +433,11 @@ class PerSample:
             return
         owner = self._owners[rec.module_name]
         self._queue_end()
+        if self._own_calls:
+            own = self._own_calls.pop((rec.module_name, rec.call), None)
+            if own is not None:
+                self._own_record(owner, rec, own)
+                return
         if (rec.module_name, rec.call) in self._flagged_calls:
             return
         covered = self._covered.get((rec.module_name, rec.call), set())
@@ -374,6 +485,73 @@ class PerSample:
             self._replaying = False
         owner.seen.update(names)
 
+    def _own_record(self, owner: Owner, rec: GradRecord, own: object) -> None:
+        """A call whose parameters were used detached: its per-sample results, and its share
+        of ``.grad`` (their sum), which autograd did not compute."""
+        if isinstance(own, _OwnCall):
+            rels: frozenset[str] = own.detach
+        else:
+            rels = cast(frozenset, own)
+        names = {rel: q for rel, q in {**owner.direct, **{r: q for r, (q, _) in
+                                                           owner.nested.items()}}.items()
+                 if rel in rels}
+        if not names:
+            return
+        if all(g is None for g in rec.grad_inputs.values()) and not isinstance(own, _OwnCall):
+            return  # no gradient went through the call
+        if rec.notes:
+            self._own_lost.update({q: f"{rec.module_name!r}: {'; '.join(rec.notes)}"
+                                   for q in names.values()})
+            return
+        n = self.batch_size
+        assert n is not None
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        c = 1.0 / n if self.loss_reduction == "mean" else 1.0
+        self._results = None
+        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
+                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                compute: Compute
+                if isinstance(own, _OwnCall):
+                    entry = owner.entry
+                    assert entry is not None and entry.own_pieces is not None
+                    pieces = entry.own_pieces(owner.module, own, scale)
+                    if pieces is None:
+                        if all(g is None for g in rec.grad_outputs.values()):
+                            return
+                        raise CannotReplay("a gradient the call's own forward waited for "
+                                           "was not computed")
+                    compute = PiecesCompute(pieces, frozenset(names))
+                else:
+                    if all(g is None for g in rec.grad_outputs.values()):
+                        raise CannotReplay("its output gradient was not recorded")
+                    compute = compute_for(owner, rec, scale, frozenset(names), materialize,
+                                          n, self.batch_dim)
+                if materialize:
+                    grads = compute.grads()
+                    totals = {rel: g.sum(0) for rel, g in grads.items()}
+                    self._add_grads(names, grads)
+                else:
+                    totals = compute.total()
+                shares = {}
+                for rel, g in totals.items():
+                    q = names[rel]
+                    g = (g * c).to(self._params[q].dtype)
+                    shares[q] = g
+                    self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
+                    inc = self._increments.get(q)
+                    self._increments[q] = g if inc is None else inc + g
+                if not materialize:
+                    self._add_reduced(names, compute, rec, scale, shares)
+        except CannotReplay as err:
+            self._own_lost.update({q: f"{rec.module_name!r}: {err}" for q in names.values()})
+            return
+        finally:
+            self._replaying = False
+        owner.seen.update(names)
+
     def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor]) -> None:
         for rel, g in grads.items():
             qual = names[rel]
@@ -381,7 +559,7 @@ class PerSample:
             step[qual] = g if qual not in step else step[qual] + g
 
     def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
-                     scale: float) -> None:
+                     scale: float, shares: dict[str, Tensor] | None = None) -> None:
         if self._want_norm:
             for rel, v in compute.norm_sq().items():
                 self._step_norm_sq[names[rel]] = v
@@ -389,7 +567,7 @@ class PerSample:
             for rel, v in compute.sum_sq().items():
                 self._step_sum_sq[names[rel]] = v
         for rel, qual in names.items():
-            g = rec.param_grads.get(rel)
+            g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
             if g is not None:
                 self._step_pg[qual] = g
                 if self._want_var:
@@ -397,8 +575,20 @@ class PerSample:
 
     # -- end of backward: check, replay, merge ------------------------------------------------
 
+    def _write_own(self) -> None:
+        """Add this backward's owned shares to ``.grad`` (as autograd accumulates)."""
+        with torch.no_grad():
+            for q, g in self._own_grad.items():
+                p = self._params[q]
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+
     def _end_of_backward(self) -> None:
         self._queued = False
+        lost = dict(self._own_lost)
+        self._write_own()
         try:
             if self.batch_size is not None and self._increments:
                 late = self._check_sums()
@@ -414,6 +604,12 @@ class PerSample:
             for frame in self._frames:
                 frame.grads = {}
             self._group_done = True
+        if lost:
+            raise GradtapError(
+                "per_sample(own_grad=True): the gradients of "
+                + "; ".join(f"{q} (module {why})" for q, why in lost.items())
+                + " could not be computed from their calls, so their .grad misses those "
+                "calls' share; use own_grad=False for this model")
 
     def _check_sums(self) -> dict[str, tuple[str, str]]:
         """Parameters whose per-sample gradients do not reduce to their ``.grad`` increment."""
@@ -620,6 +816,12 @@ class PerSample:
         """Remove every hook; results stay readable. Safe to call twice."""
         self._tap.remove()
         self._hooks.remove()
+        for module in self._forwards:
+            vars(module).pop("forward", None)
+        self._forwards = []
+        while self._swapped:
+            for module, rel, p in self._swapped.pop()[1]:
+                module._parameters[rel] = p
 
     def __enter__(self) -> PerSample:
         return self
@@ -630,6 +832,47 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
                 f"quantities={self.quantities}>")
+
+
+class _OwnCall:
+    """What a rule's own forward read during one call (``own_grad``): forward tensors and
+    the gradients w.r.t. some of its intermediate tensors."""
+
+    def __init__(self, hooks: HookSet, detach: frozenset[str], module: nn.Module) -> None:
+        self.detach = detach
+        self._hooks = hooks
+        self._kept: dict[str, Tensor] = {}
+        self._grads: dict[str, Tensor] = {}
+
+    def detached(self, name: str, p: Tensor) -> Tensor:
+        return p.detach() if name in self.detach else p
+
+    def keep(self, key: str, t: Tensor) -> None:
+        self._kept[key] = t.detach()
+
+    def watch(self, key: str, t: Tensor) -> None:
+        grads = self._grads
+
+        def seen(g: Tensor) -> None:
+            grads[key] = g if key not in grads else grads[key] + g
+
+        self._hooks.gradient(t, seen)
+
+    @property
+    def kept(self) -> dict[str, Tensor]:
+        return self._kept
+
+    @property
+    def grads(self) -> dict[str, Tensor]:
+        return self._grads
+
+
+def _own_forward(ref: weakref.ref[PerSample], name: str, module: nn.Module, forward: Any,
+                 *args: Any, **kwargs: Any) -> Any:
+    obj = ref()
+    if obj is None:
+        return type(module).forward(module, *args, **kwargs)
+    return obj._own_forward_call(name, module, forward, args, kwargs)
 
 
 class _Forward(Listener):
@@ -667,6 +910,7 @@ def per_sample(
     batch_dim: int = 0,
     quantities: Iterable[Quantity] = ("grad", "norm"),
     fallback: bool = True,
+    own_grad: bool = False,
 ) -> PerSample:
     """Compute per-sample gradients, their norms and batch statistics during backward.
 
@@ -719,4 +963,4 @@ def per_sample(
         True
     """
     return PerSample(model, select, loss_reduction=loss_reduction, batch_dim=batch_dim,
-                     quantities=quantities, fallback=fallback)
+                     quantities=quantities, fallback=fallback, own_grad=own_grad)

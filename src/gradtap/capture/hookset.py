@@ -118,9 +118,11 @@ class HookSet:
         self._handles.append(optimizer.register_step_pre_hook(hook))
 
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
-                     after: Callable[[Any], None]) -> None:
+                     after: Callable[[Any], None], *, always: bool = False) -> None:
         """Run ``before(args, kwargs)`` and ``after(output)`` around each call of ``module``
-        (``after`` only when the call returns)."""
+        (``after`` only when the call returns; with ``always``, also when it raises, with
+        ``None``, and even while the set stands aside, so that it can undo what ``before``
+        did)."""
         if before is not None:
 
             def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -130,10 +132,10 @@ class HookSet:
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
         def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
-            if self._live():
+            if always or self._live():
                 after(output)
 
-        self._handles.append(module.register_forward_hook(forward_hook))
+        self._handles.append(module.register_forward_hook(forward_hook, always_call=always))
 
     def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> RemovableHandle | None:
         """Run ``fn(grad)`` with the gradient w.r.t. ``t`` as it is now, in each backward that
