@@ -243,6 +243,7 @@ class PerSample:
         """Forget what the last backward computed (merged already) and its increments."""
         self._own_grad: dict[str, Tensor] = {}  # own_grad: what this backward adds to .grad
         self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
+        self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
         self._step_grad: dict[str, Tensor] = {}
         self._step_norm_sq: dict[str, Tensor] = {}
         self._step_sum_sq: dict[str, Tensor] = {}
@@ -420,6 +421,7 @@ class PerSample:
         if self._replaying:
             return
         self._queue_end()
+        self._autograd_seen.add(qual)
         if qual in self._increments:  # the parameter's hook ran twice (reentrant checkpoint)
             grad = self._increments[qual] + grad
         self._increments[qual] = grad
@@ -617,6 +619,9 @@ class PerSample:
         c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
         touched = (set(self._step_grad) | set(self._step_pg) | set(self._increments)
                    | set(self._step_norm_sq) | set(self._step_sum_sq))
+        # A parameter whose every use this backward was owned has .grad increments that are
+        # the sums of its per-sample gradients by construction: nothing to check.
+        touched -= set(self._own_grad) - self._autograd_seen
         rows: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
         with torch.no_grad():
             grads = [q for q in touched if q in self._step_grad
