@@ -33,11 +33,11 @@ from torch import Tensor, nn
 from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
 from gradtap._per_sample.owners import (
+    Owner,
     batch_size_of,
     check_module,
     classify_call,
     describe,
-    Owner,
     enclosing_modules,
     resolve_owners,
     rows,
@@ -153,7 +153,7 @@ class PerSample:
                     functools.partial(_call_kw, me, "_before", name, module),
                     functools.partial(_call, me, "_after", name),
                 )
-            for name, rels in self._ownable.items():
+            for name in self._ownable:
                 module = self._owners[name].module
                 entry = self._owners[name].entry
                 assert entry is not None
@@ -288,12 +288,16 @@ class PerSample:
         if not any(f is not None for _, f in self._stack):
             self._settle()
 
-    def _may_own(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+    def _may_own(self, name: str, args: tuple, kwargs: dict[str, Any]) -> bool:
         """Whether this call's selected parameters are used detached (``own_grad``): a
         forward that builds a graph, one row per sample in the first tensor argument, and a
-        tensor argument that requires grad (so that the output still does)."""
-        if (self._replaying or self.batch_size is None or not torch.is_grad_enabled()
-                or current_backward() is not None or in_recomputation()):
+        tensor argument that requires grad (so that the output still does). A checkpoint's
+        recomputation in backward repeats the forward's choice (it must save the same
+        tensors): a call of a module whose owned calls are still pending is owned again."""
+        if self._replaying or self.batch_size is None or not torch.is_grad_enabled():
+            return False
+        if current_backward() is not None and not (
+                in_recomputation() and any(n == name for n, _ in self._own_calls)):
             return False
         tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
         return (bool(tensors) and rows(tensors[0], self.batch_dim) == self.batch_size
@@ -302,8 +306,8 @@ class PerSample:
     def _own_before(self, name: str, module: nn.Module, args: tuple,
                     kwargs: dict[str, Any]) -> None:
         swaps: list[tuple[nn.Module, str, Tensor]] = []
-        if self._may_own(args, kwargs):
-            held = module._parameters
+        if self._may_own(name, args, kwargs):
+            held = cast(dict[str, Any], module._parameters)
             for rel in self._ownable[name]:
                 p = held.get(rel)
                 if p is not None:
@@ -315,12 +319,11 @@ class PerSample:
     def _own_after(self, name: str, _output: Any) -> None:
         self._own_pending.pop(name, None)  # not seen by the tap: not owned
         if self._swapped and self._swapped[-1][0] == name:
-            for module, rel, p in self._swapped.pop()[1]:
-                module._parameters[rel] = p
+            _put_back(self._swapped.pop()[1])
 
     def _own_forward_call(self, name: str, module: nn.Module, forward: Any, args: tuple,
                           kwargs: dict[str, Any]) -> Any:
-        if self._may_own(args, kwargs):
+        if self._may_own(name, args, kwargs):
             call = _OwnCall(self._hooks, self._ownable[name], module)
             out = forward(module, args, kwargs, call)
             if out is not None:
@@ -519,7 +522,7 @@ class PerSample:
                 if isinstance(own, _OwnCall):
                     entry = owner.entry
                     assert entry is not None and entry.own_pieces is not None
-                    pieces = entry.own_pieces(owner.module, own, scale)
+                    pieces = entry.own_pieces(owner.module, own, rec.grad_outputs, scale)
                     if pieces is None:
                         if all(g is None for g in rec.grad_outputs.values()):
                             return
@@ -552,6 +555,8 @@ class PerSample:
             return
         finally:
             self._replaying = False
+            if isinstance(own, _OwnCall):
+                own.release()
         owner.seen.update(names)
 
     def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor]) -> None:
@@ -825,8 +830,7 @@ class PerSample:
             vars(module).pop("forward", None)
         self._forwards = []
         while self._swapped:
-            for module, rel, p in self._swapped.pop()[1]:
-                module._parameters[rel] = p
+            _put_back(self._swapped.pop()[1])
 
     def __enter__(self) -> PerSample:
         return self
@@ -837,6 +841,12 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
                 f"quantities={self.quantities}>")
+
+
+def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:
+    """Undo ``_own_before``: the modules hold their parameters again."""
+    for module, rel, p in swaps:
+        cast(dict[str, Any], module._parameters)[rel] = p
 
 
 class _OwnCall:
@@ -866,6 +876,11 @@ class _OwnCall:
     @property
     def kept(self) -> dict[str, Tensor]:
         return self._kept
+
+    def release(self) -> None:
+        """Drop what was read (the hooks on the graph outlive the call's record)."""
+        self._kept.clear()
+        self._grads.clear()
 
     @property
     def grads(self) -> dict[str, Tensor]:

@@ -31,8 +31,8 @@ formulas then give gradients, norms (ghost or direct) and sums of squares. ``Non
 A pieces rule may also give ``own_forward(module, args, kwargs, call) -> output | None``, the
 module's forward computed with its selected parameters detached (``call.detached(name, p)``)
 and its linear maps' inputs and output gradients read as they happen (``call.keep``,
-``call.watch``), and ``own_pieces(module, call, scale) -> list[Piece] | None`` from what it
-read: with ``own_grad=True`` the call is then never replayed. ``None`` from ``own_forward``
+``call.watch``), and ``own_pieces(module, call, grad_outputs, scale) -> list[Piece] | None``
+from what it read and the call's output gradients: with ``own_grad=True`` the call is then never replayed. ``None`` from ``own_forward``
 means "not this call" (the module's own forward runs, autograd keeps its path).
 
 ``check(module) -> str | None`` names a reason why a module couples its samples (BatchNorm in
@@ -148,7 +148,8 @@ class PerSampleRule:
     total: GradRule | None = None
     pieces: PiecesRule | None = None
     own_forward: Callable[[nn.Module, tuple, dict, OwnCall], Any] | None = None
-    own_pieces: Callable[[nn.Module, OwnCall, float], list[Piece] | None] | None = None
+    own_pieces: Callable[[nn.Module, OwnCall, dict[str, Tensor | None], float],
+                         list[Piece] | None] | None = None
     check: Callable[[nn.Module], str | None] | None = None
     batch_dim: int | Callable[[nn.Module], int] | None = None
 

@@ -28,7 +28,7 @@ With ``per_sample(own_grad=True)`` nothing is replayed: :func:`own_forward_atten
 the call itself (projections as ``F.linear`` with the selected parameters detached, the core
 as ``F.scaled_dot_product_attention``, or explicitly when the attention weights are asked
 for), keeping each projection's input and the context and reading the gradients w.r.t. the
-projections' outputs and the call's output as autograd computes them. That covers a gradient
+projections' outputs as autograd computes them. That covers a gradient
 reaching the attention weights and dropout too (the masks are those of the forward).
 """
 
@@ -263,13 +263,12 @@ def own_forward_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]
     n, t, e = xs[0].shape
     s = xs[1].shape[1]
     h = mha.num_heads
-    bias = mha.in_proj_bias
+    bias: Tensor | None = mha.in_proj_bias
     bias = None if bias is None else call.detached("in_proj_bias", bias)
     projections: list[Tensor] = []
     if mha._qkv_same_embed_dim:
-        weight = mha.in_proj_weight
-        assert weight is not None
-        weight = call.detached("in_proj_weight", weight)
+        assert mha.in_proj_weight is not None
+        weight = call.detached("in_proj_weight", mha.in_proj_weight)
         spans: list[list[int]] = [[0]]
         for j in (1, 2):
             if _same(xs[j], xs[spans[-1][-1]]):
@@ -321,17 +320,18 @@ def own_forward_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]
                    None if mha.out_proj.bias is None
                    else call.detached("out_proj.bias", mha.out_proj.bias))
     call.keep("context", context)
-    call.watch("output", out)
     return (out if mha.batch_first else out.transpose(0, 1)), weights
 
 
-def own_pieces_attention(module: nn.Module, call: OwnCall, scale: float) -> list[Piece] | None:
-    """The pieces of a call made by :func:`own_forward_attention`, from what it read."""
+def own_pieces_attention(module: nn.Module, call: OwnCall, grad_outputs: dict[str, Tensor | None],
+                         scale: float) -> list[Piece] | None:
+    """The pieces of a call made by :func:`own_forward_attention`, from what it read and the
+    gradient w.r.t. its output."""
     grads, kept = call.grads, call.kept
-    go = grads.get("output")
+    go = grad_outputs.get("0")
     if go is None:
         return None
-    go = go * scale
+    go = go * scale if module.batch_first else go.transpose(0, 1) * scale
     pieces, biases = [], []
     for key, x in kept.items():
         if key == "context":
@@ -342,10 +342,11 @@ def own_pieces_attention(module: nn.Module, call: OwnCall, scale: float) -> list
         g = g * scale
         pieces.append(Piece(key.partition(":")[0], x, g))
         biases.append(Piece("in_proj_bias", None, g))
-    if module.in_proj_bias is not None:
+    mha = cast(nn.MultiheadAttention, module)
+    if mha.in_proj_bias is not None:
         pieces += biases
     pieces.append(Piece("out_proj.weight", kept["context"], go))
-    if module.out_proj.bias is not None:
+    if mha.out_proj.bias is not None:
         pieces.append(Piece("out_proj.bias", None, go))
     return pieces
 
