@@ -331,3 +331,18 @@ def test_checkpoint_recomputation_uses_the_parameters_as_the_forward_did():
     for k, p in model.named_parameters():
         close(p.grad, expected[k], f".grad {k}")
         close(ps.grad[k], ref[k], f"grad {k}")
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_attention_dropout_in_training_draws_the_modules_own_masks(need_weights):
+    # The own forward is the module's function, random draws included: with the same seed
+    # .grad is autograd's (the replay refuses dropout; the own forward reads the masks used).
+    model, b = Block(need_weights=need_weights), batch()
+    model.attn.dropout = 0.3
+    torch.manual_seed(1)
+    expected = autograd_grads(model, loss_of, b)
+    torch.manual_seed(1)
+    ps = run(model, loss_of, b)
+    for k, p in model.named_parameters():
+        close(p.grad, expected[k], f".grad {k}")
+        assert ps.grad[k].shape == (N, *p.shape)

@@ -958,6 +958,16 @@ def per_sample(
             enclosing call that can be replayed, with a warning naming the module. ``False``
             raises ``UnsupportedModuleError`` for modules without a rule, and makes the
             results name the other parameters in a ``GradtapError`` instead.
+        own_grad: compute ``.grad`` here instead of in autograd, for the selected parameters
+            whose every holding module has a rule. Their modules' calls that have one row
+            per sample and an argument that requires grad use them detached (so autograd
+            skips their batch weight gradients; ``MultiheadAttention`` then runs a forward of
+            its own that reads its projections' gradients instead of replaying its core), and
+            at the end of each backward the sum of those calls' per-sample gradients (times
+            ``1/N`` for ``"mean"``) is added to ``.grad``, or set where it is ``None``. Other
+            uses keep autograd's path and add to the same ``.grad``. Tensor hooks and
+            post-accumulate-grad hooks of those parameters see only autograd's part; the
+            added part carries no graph under ``create_graph=True`` (docs/semantics.md).
 
     Returns:
         A :class:`PerSample`, to use as a context manager; read its results after backward.
@@ -969,7 +979,9 @@ def per_sample(
             numbers (dropout in training mode).
         ValueError: a bad argument.
         GradtapError: when results are read, for parameters that no rule and no replay could
-            give per-sample gradients (the message names each one, its module and why).
+            give per-sample gradients (the message names each one, its module and why); with
+            ``own_grad``, from backward, when an owned call's share of ``.grad`` could not be
+            computed.
 
     Example:
         >>> import torch, gradtap as gt
@@ -980,6 +992,12 @@ def per_sample(
         >>> ps.grad["0.weight"].shape, ps.norm.shape
         (torch.Size([5, 4, 3]), torch.Size([5]))
         >>> torch.allclose(ps.grad["0.weight"].mean(0), net[0].weight.grad, atol=1e-6)
+        True
+        >>> expected = net[2].weight.grad.clone()
+        >>> net.zero_grad()
+        >>> with gt.per_sample(net, own_grad=True) as ps:   # .grad from the per-sample sums
+        ...     torch.nn.functional.cross_entropy(net(x), y).backward()
+        >>> torch.allclose(net[2].weight.grad, expected, atol=1e-6)
         True
     """
     return PerSample(model, select, loss_reduction=loss_reduction, batch_dim=batch_dim,
