@@ -30,7 +30,7 @@ from typing import Any, Literal, cast, get_args
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
+from gradtap._per_sample.compute import Compute, PiecesCompute, RuleCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
 from gradtap._per_sample.owners import (
     Owner,
@@ -223,7 +223,6 @@ class PerSample:
             owner.seen = set()
         self._frames: list[Frame] = []
         self._own_pending: dict[str, object] = {}  # owner -> its call now running, owned
-        self._own_calls: dict[tuple[str, int], object] = {}  # (owner, call) -> what it read
         self._new_group()
         self._new_backward()
 
@@ -233,6 +232,8 @@ class PerSample:
             frame.drop()
         self._frames = []
         self._outer_calls = 0
+        # (owner, call) -> what an owned call read; a call no backward reached is dropped
+        self._own_calls: dict[tuple[str, int], object] = {}
         self._enclosing: dict[str, list[tuple[Frame, ...]]] = {}  # qual -> frames per use
         self._flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
         self._flagged_calls: set[tuple[str, int]] = set()
@@ -245,6 +246,7 @@ class PerSample:
         self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
         self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
         self._step_grad: dict[str, Tensor] = {}
+        self._step_sum: dict[str, Tensor] = {}  # sum over samples of _step_grad
         self._step_norm_sq: dict[str, Tensor] = {}
         self._step_sum_sq: dict[str, Tensor] = {}
         self._step_total: dict[str, Tensor] = {}
@@ -367,10 +369,6 @@ class PerSample:
             return
         owner = self._owners[name]
         owner.calls += 1
-        if self._own_pending:
-            own = self._own_pending.pop(name, None)
-            if own is not None:
-                self._own_calls[(name, call)] = own
         check_module(name, module, self.batch_dim, owner.entry is None)
         # The calls around this one (its own too, when it is one: a replay of it with every
         # argument as passed is the first thing to try for a module without a rule).
@@ -386,6 +384,10 @@ class PerSample:
                         f"sample dim batch_dim={self.batch_dim}"
                     )
                 self.batch_size = first.shape[self.batch_dim]
+        if self._own_pending:
+            own = self._own_pending.pop(name, None)
+            if own is not None:
+                self._own_calls[(name, call)] = own
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
@@ -480,7 +482,8 @@ class PerSample:
                 compute = compute_for(owner, rec, scale, frozenset(names), materialize,
                                       self.batch_size, self.batch_dim)  # type: ignore[arg-type]
                 if materialize:
-                    self._add_grads(names, compute.grads())
+                    grads = compute.grads()
+                    self._add_grads(names, grads, _sums(compute, grads))
                 else:
                     self._add_reduced(names, compute, rec, scale)
         except CannotReplay as err:
@@ -536,8 +539,8 @@ class PerSample:
                                           n, self.batch_dim)
                 if materialize:
                     grads = compute.grads()
-                    totals = {rel: g.sum(0) for rel, g in grads.items()}
-                    self._add_grads(names, grads)
+                    totals = _sums(compute, grads)
+                    self._add_grads(names, grads, totals)
                 else:
                     totals = compute.total()
                 shares = {}
@@ -559,7 +562,13 @@ class PerSample:
                 own.release()
         owner.seen.update(names)
 
-    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor]) -> None:
+    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
+                   sums: dict[str, Tensor]) -> None:
+        """Add one call's per-sample gradients, and their sums over the samples (for the
+        check at the end of backward)."""
+        for rel, t in sums.items():
+            qual = names[rel]
+            self._step_sum[qual] = t if qual not in self._step_sum else self._step_sum[qual] + t
         for rel, g in grads.items():
             qual = names[rel]
             step = self._step_grad
@@ -632,8 +641,9 @@ class PerSample:
             grads = [q for q in touched if q in self._step_grad
                      and q not in self._flagged and q not in self._late]
             if grads:
-                sums = [self._step_grad[q].sum(0) for q in grads]
-                torch._foreach_mul_(sums, c)
+                sums = [self._step_sum[q] if q in self._step_sum else self._step_grad[q].sum(0)
+                        for q in grads]
+                sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     rows[q] = (a, self._increments.get(q, torch.zeros_like(a)),
                                self._step_grad[q])
@@ -654,8 +664,8 @@ class PerSample:
         return self._largest_norm
 
     def _discard(self, qual: str) -> None:
-        for step in (self._step_grad, self._step_norm_sq, self._step_sum_sq, self._step_total,
-                     self._step_pg):
+        for step in (self._step_grad, self._step_sum, self._step_norm_sq, self._step_sum_sq,
+                     self._step_total, self._step_pg):
             step.pop(qual, None)
 
     def _uses(self, qual: str) -> list[tuple[Frame, ...]]:
@@ -841,6 +851,15 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
                 f"quantities={self.quantities}>")
+
+
+def _sums(compute: Compute, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sum_n g_n`` of one call's per-sample gradients ``grads``: from the rule's batch
+    gradient where that costs less than a pass over them (Linear without sequence dims,
+    Embedding), else summed."""
+    if isinstance(compute, RuleCompute) and compute.total_is_cheap(grads):
+        return compute.total()
+    return {rel: g.sum(0) for rel, g in grads.items()}
 
 
 def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:

@@ -80,6 +80,12 @@ class RuleCompute(Compute):
         out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after)
 
+    def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
+        """Whether ``total`` costs less than summing the per-sample gradients ``grads``."""
+        cost = self.rule.total_cost
+        return (cost is not None and self.rule.total is not None
+                and cost(self.inp, self.go) < sum(g.numel() for g in grads.values()))
+
 
 class ParametrizedCompute(RuleCompute):
     """A rule's gradients w.r.t. a parametrized tensor, carried back to its originals.
@@ -121,6 +127,9 @@ class ParametrizedCompute(RuleCompute):
 
     def total(self) -> dict[str, Tensor]:
         return {k: g.sum(0) for k, g in self.grads().items()}
+
+    def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
+        return False
 
 
 class PiecesCompute(Compute):

@@ -130,6 +130,9 @@ class PerSampleRule:
         norm_sq: optional fast path for the squared per-sample norms.
         sum_sq: optional fast path for ``sum_n g_n**2``.
         total: optional fast path for ``sum_n g_n`` (the batch gradient).
+        total_cost: ``(inp, grad_out) -> int``, what ``total`` costs in multiply-adds: when
+            per-sample gradients are built anyway, their sum costs their size, and the
+            cheaper of the two is taken. Without it they are summed.
         pieces: the call's linear maps, for types without ``grad``.
         own_forward: the forward with selected parameters detached, reading the linear
             maps' inputs and output gradients (``own_grad=True``).
@@ -146,6 +149,7 @@ class PerSampleRule:
     norm_sq: GradRule | None = None
     sum_sq: GradRule | None = None
     total: GradRule | None = None
+    total_cost: Callable[[Tensor, Tensor], int] | None = None
     pieces: PiecesRule | None = None
     own_forward: Callable[[nn.Module, tuple, dict, OwnCall], Any] | None = None
     own_pieces: Callable[[nn.Module, OwnCall, dict[str, Tensor | None], float],

@@ -118,4 +118,5 @@ def total_embedding(
 
 
 EMBEDDING = PerSampleRule(grad=grad_embedding, norm_sq=norm_embedding, sum_sq=sum_sq_embedding,
-                          total=total_embedding, check=check_embedding)
+                          total=total_embedding, total_cost=lambda inp, go: go.numel(),
+                          check=check_embedding)

@@ -117,7 +117,8 @@ def total_linear(
 
 #: ``nn.Linear``: closed forms for every quantity.
 LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear,
-                       total=total_linear)
+                       total=total_linear,
+                       total_cost=lambda inp, go: go.numel() * inp.shape[-1])
 
 
 def _by_name(pieces: list[Piece], names: frozenset[str]) -> dict[str, list[Piece]]:
