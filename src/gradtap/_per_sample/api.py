@@ -326,7 +326,7 @@ class PerSample:
     def _own_forward_call(self, name: str, module: nn.Module, forward: Any, args: tuple,
                           kwargs: dict[str, Any]) -> Any:
         if self._may_own(name, args, kwargs):
-            call = _OwnCall(self._hooks, self._ownable[name], module)
+            call = _OwnCall(self._hooks, self._ownable[name])
             out = forward(module, args, kwargs, call)
             if out is not None:
                 self._own_pending[name] = call
@@ -872,7 +872,7 @@ class _OwnCall:
     """What a rule's own forward read during one call (``own_grad``): forward tensors and
     the gradients w.r.t. some of its intermediate tensors."""
 
-    def __init__(self, hooks: HookSet, detach: frozenset[str], module: nn.Module) -> None:
+    def __init__(self, hooks: HookSet, detach: frozenset[str]) -> None:
         self.detach = detach
         self._hooks = hooks
         self._kept: dict[str, Tensor] = {}
