@@ -5,7 +5,9 @@ Run: .venv/bin/python benchmarks/per_sample.py [--quick] [--methods] [--models m
 Per model, one table: a plain forward+backward step; ``gt.per_sample`` asking for gradients,
 for norms only and for the variance only; BackPACK's ``BatchGrad``, ``BatchL2Grad`` and
 ``Variance``; Opacus' ``GradSampleModule`` and its ghost-clipping module (norms only); and
-``torch.func.vmap(grad(functional_call))``. Anchors that are not installed are skipped with a
+``torch.func.vmap(grad(functional_call))``. The ``own_grad`` rows are ``gt.per_sample(...,
+own_grad=True)``: ``.grad`` filled by gradtap from the per-sample gradients, autograd skipping
+the batch weight gradients. Anchors that are not installed are skipped with a
 note. Every step is ``cross_entropy(model(x), y)`` with the mean over the batch.
 
 Time: median seconds per step over interleaved rounds (every method once per round, so
@@ -126,10 +128,10 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
     return step
 
 
-def _gradtap(quantity: str) -> Callable[[nn.Module, Tensor, Tensor], Step]:
+def _gradtap(quantity: str, own_grad: bool = False) -> Callable[[nn.Module, Tensor, Tensor], Step]:
     def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
         def step() -> object:
-            with gt.per_sample(model, quantities=(quantity,)) as ps:
+            with gt.per_sample(model, quantities=(quantity,), own_grad=own_grad) as ps:
                 F.cross_entropy(model(x), y).backward()
             out = getattr(ps, quantity)
             model.zero_grad(set_to_none=True)
@@ -210,6 +212,9 @@ METHODS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
     "gradtap grads": _gradtap("grad"),
     "gradtap norms only": _gradtap("norm"),
     "gradtap variance only": _gradtap("variance"),
+    "gradtap grads, own_grad": _gradtap("grad", own_grad=True),
+    "gradtap norms only, own_grad": _gradtap("norm", own_grad=True),
+    "gradtap variance only, own_grad": _gradtap("variance", own_grad=True),
     "BackPACK BatchGrad": _backpack("BatchGrad"),
     "BackPACK BatchL2Grad": _backpack("BatchL2Grad"),
     "BackPACK Variance": _backpack("Variance"),

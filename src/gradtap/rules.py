@@ -54,6 +54,7 @@ def per_sample_rule(
     *types: type[nn.Module],
     norm_sq: GradRule | None = None,
     sum_sq: GradRule | None = None,
+    total: GradRule | None = None,
     check: Callable[[nn.Module], str | None] | None = None,
     batch_dim: int | Callable[[nn.Module], int] | None = None,
     replace: bool = False,
@@ -67,6 +68,9 @@ def per_sample_rule(
             ``{name: [N]}``; without it they are reduced from the rule's gradients, a chunk
             of samples at a time.
         sum_sq: optional fast path returning ``{name: param.shape}``, ``sum_n g_n**2``.
+        total: optional fast path returning ``{name: param.shape}``, ``sum_n g_n`` (the
+            batch gradient), which ``gt.per_sample(own_grad=True)`` writes into ``.grad``
+            when no per-sample gradients are built (norms or statistics only).
         check: ``module -> str | None``, a reason why a module couples its samples (its
             per-sample gradients are then refused with that reason), or ``None``.
         batch_dim: the sample dim the type's forward requires (an int or a function of the
@@ -97,8 +101,8 @@ def per_sample_rule(
     register = PER_SAMPLE.register(*types, replace=replace)  # checks the types now
 
     def decorator(grad: GradRule) -> GradRule:
-        register(PerSampleRule(grad=grad, norm_sq=norm_sq, sum_sq=sum_sq, check=check,
-                               batch_dim=batch_dim))
+        register(PerSampleRule(grad=grad, norm_sq=norm_sq, sum_sq=sum_sq, total=total,
+                               check=check, batch_dim=batch_dim))
         return grad
 
     return decorator

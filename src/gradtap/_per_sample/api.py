@@ -30,15 +30,17 @@ from typing import Any, Literal, cast, get_args
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.compute import Compute, compute_for
+from gradtap._per_sample.compute import Compute, PiecesCompute, RuleCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
 from gradtap._per_sample.owners import (
+    Owner,
     batch_size_of,
     check_module,
     classify_call,
     describe,
     enclosing_modules,
     resolve_owners,
+    rows,
 )
 from gradtap._per_sample.results import STATS, results
 from gradtap._per_sample.units import (
@@ -57,6 +59,7 @@ from gradtap.capture import (
     at_end_of_backward,
     compiled_feature,
     current_backward,
+    in_recomputation,
     tap,
 )
 from gradtap.errors import GradtapError, SelectionError
@@ -87,6 +90,7 @@ class PerSample:
         batch_dim: int = 0,
         quantities: Iterable[Quantity] = ("grad", "norm"),
         fallback: bool = True,
+        own_grad: bool = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
@@ -126,6 +130,10 @@ class PerSample:
             for qual in owner.direct.values():
                 self._owners_of.setdefault(qual, []).append(owner.name)
         self._warned: set[tuple[str, str]] = set()
+        self.own_grad = bool(own_grad)
+        self._ownable = self._find_ownable() if own_grad else {}
+        self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
+        self._forwards: list[nn.Module] = []
         self._replaying = False
         self._queued = False
         self.batch_size: int | None = None
@@ -150,6 +158,22 @@ class PerSample:
                     functools.partial(_call_kw, me, "_before", name, module),
                     functools.partial(_call, me, "_after", name),
                 )
+            for name in self._ownable:
+                module = self._owners[name].module
+                entry = self._owners[name].entry
+                assert entry is not None
+                if entry.own_forward is not None:
+                    if "forward" in vars(module):  # a forward set on the instance: leave it
+                        continue
+                    module.forward = functools.partial(_own_forward, me, name, module,
+                                                       entry.own_forward)
+                    self._forwards.append(module)
+                    before = None
+                else:
+                    before = functools.partial(_call_kw, me, "_own_before", name, module)
+                self._hooks.module_calls(module, before,
+                                         functools.partial(_call, me, "_own_after", name),
+                                         always=True)
             for qual, p in self._params.items():
                 handle = self._hooks.gradient(p, functools.partial(_call, me, "_on_increment",
                                                                    qual))
@@ -160,6 +184,34 @@ class PerSample:
             raise
 
     # -- setup ------------------------------------------------------------------------------
+
+    def _find_ownable(self) -> dict[str, frozenset[str]]:
+        """Owner name -> the parameters (relative names) its calls use detached, when
+        ``own_grad``: every module that holds them has a rule (not a parametrization, not
+        inside a module without a rule, whose replay would cover them)."""
+        ruleless = [o.name for o in self._owners.values() if o.entry is None]
+
+        def has_rule(name: str) -> bool:
+            owner = self._owners[name]
+            return (owner.entry is not None and not owner.parametrized
+                    and not any(r == "" or name.startswith(r + ".") for r in ruleless))
+
+        ownable: dict[str, frozenset[str]] = {}
+        for name, owner in self._owners.items():
+            if not has_rule(name):
+                continue
+            assert owner.entry is not None
+            if owner.rule is not None:
+                rels = dict(owner.direct)
+            elif owner.entry.own_forward is not None:
+                rels = {**owner.direct, **{rel: q for rel, (q, _) in owner.nested.items()}}
+            else:
+                continue
+            rels = {rel: q for rel, q in rels.items()
+                    if all(has_rule(o) for o in self._owners_of.get(q, ()))}
+            if rels:
+                ownable[name] = frozenset(rels)
+        return ownable
 
     def _reset(self) -> None:
         self.batch_size = None
@@ -175,6 +227,7 @@ class PerSample:
             owner.calls = 0
             owner.seen = set()
         self._frames: list[Frame] = []
+        self._own_pending: dict[str, object] = {}  # owner -> its call now running, owned
         self._new_group()
         self._new_backward()
 
@@ -184,6 +237,8 @@ class PerSample:
             frame.drop()
         self._frames = []
         self._outer_calls = 0
+        # (owner, call) -> what an owned call read; a call no backward reached is dropped
+        self._own_calls: dict[tuple[str, int], object] = {}
         self._enclosing: dict[str, list[tuple[Frame, ...]]] = {}  # qual -> frames per use
         self._flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
         self._flagged_calls: set[tuple[str, int]] = set()
@@ -192,7 +247,11 @@ class PerSample:
 
     def _new_backward(self) -> None:
         """Forget what the last backward computed (merged already) and its increments."""
+        self._own_grad: dict[str, Tensor] = {}  # own_grad: what this backward adds to .grad
+        self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
+        self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
         self._step_grad: dict[str, Tensor] = {}
+        self._step_sum: dict[str, Tensor] = {}  # sum over samples of _step_grad
         self._step_norm_sq: dict[str, Tensor] = {}
         self._step_sum_sq: dict[str, Tensor] = {}
         self._step_total: dict[str, Tensor] = {}
@@ -235,6 +294,49 @@ class PerSample:
                 self._hooks.gradient(t, functools.partial(_call, me, "_on_frame_grad", frame, path))
         if not any(f is not None for _, f in self._stack):
             self._settle()
+
+    def _may_own(self, name: str, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether this call's selected parameters are used detached (``own_grad``): a
+        forward that builds a graph, one row per sample in the first tensor argument, and a
+        tensor argument that requires grad (so that the output still does). A checkpoint's
+        recomputation in backward repeats the forward's choice (it must save the same
+        tensors): a call of a module whose owned calls are still pending is owned again."""
+        if self._replaying or self.batch_size is None or not torch.is_grad_enabled():
+            return False
+        if current_backward() is not None and not (
+                in_recomputation() and any(n == name for n, _ in self._own_calls)):
+            return False
+        tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
+        return (bool(tensors) and rows(tensors[0], self.batch_dim) == self.batch_size
+                and any(t.requires_grad for t in tensors))
+
+    def _own_before(self, name: str, module: nn.Module, args: tuple,
+                    kwargs: dict[str, Any]) -> None:
+        swaps: list[tuple[nn.Module, str, Tensor]] = []
+        if self._may_own(name, args, kwargs):
+            held = cast(dict[str, Any], module._parameters)
+            for rel in self._ownable[name]:
+                p = held.get(rel)
+                if p is not None:
+                    swaps.append((module, rel, p))
+                    held[rel] = p.detach()
+            self._own_pending[name] = frozenset(rel for _, rel, _ in swaps)
+        self._swapped.append((name, swaps))
+
+    def _own_after(self, name: str, _output: Any) -> None:
+        self._own_pending.pop(name, None)  # not seen by the tap: not owned
+        if self._swapped and self._swapped[-1][0] == name:
+            _put_back(self._swapped.pop()[1])
+
+    def _own_forward_call(self, name: str, module: nn.Module, forward: Any, args: tuple,
+                          kwargs: dict[str, Any]) -> Any:
+        if self._may_own(name, args, kwargs):
+            call = _OwnCall(self._hooks, self._ownable[name])
+            out = forward(module, args, kwargs, call)
+            if out is not None:
+                self._own_pending[name] = call
+                return out
+        return type(module).forward(module, *args, **kwargs)
 
     def _forward_starts(self) -> None:
         if self._group_done or self._outer_calls >= MAX_OUTER_CALLS:
@@ -287,6 +389,10 @@ class PerSample:
                         f"sample dim batch_dim={self.batch_dim}"
                     )
                 self.batch_size = first.shape[self.batch_dim]
+        if self._own_pending:
+            own = self._own_pending.pop(name, None)
+            if own is not None:
+                self._own_calls[(name, call)] = own
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
@@ -325,6 +431,7 @@ class PerSample:
         if self._replaying:
             return
         self._queue_end()
+        self._autograd_seen.add(qual)
         if qual in self._increments:  # the parameter's hook ran twice (reentrant checkpoint)
             grad = self._increments[qual] + grad
         self._increments[qual] = grad
@@ -338,6 +445,11 @@ class PerSample:
             return
         owner = self._owners[rec.module_name]
         self._queue_end()
+        if self._own_calls:
+            own = self._own_calls.pop((rec.module_name, rec.call), None)
+            if own is not None:
+                self._own_record(owner, rec, own)
+                return
         if (rec.module_name, rec.call) in self._flagged_calls:
             return
         covered = self._covered.get((rec.module_name, rec.call), set())
@@ -375,7 +487,8 @@ class PerSample:
                 compute = compute_for(owner, rec, scale, frozenset(names), materialize,
                                       self.batch_size, self.batch_dim)  # type: ignore[arg-type]
                 if materialize:
-                    self._add_grads(names, compute.grads())
+                    grads = compute.grads()
+                    self._add_grads(names, grads, _sums(compute, grads))
                 else:
                     self._add_reduced(names, compute, rec, scale)
         except CannotReplay as err:
@@ -385,14 +498,89 @@ class PerSample:
             self._replaying = False
         owner.seen.update(names)
 
-    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor]) -> None:
+    def _own_record(self, owner: Owner, rec: GradRecord, own: object) -> None:
+        """A call whose parameters were used detached: its per-sample results, and its share
+        of ``.grad`` (their sum), which autograd did not compute."""
+        if isinstance(own, _OwnCall):
+            rels: frozenset[str] = own.detach
+        else:
+            rels = cast(frozenset, own)
+        names = {rel: q for rel, q in {**owner.direct, **{r: q for r, (q, _) in
+                                                           owner.nested.items()}}.items()
+                 if rel in rels}
+        if not names:
+            return
+        if all(g is None for g in rec.grad_inputs.values()) and not isinstance(own, _OwnCall):
+            return  # no gradient went through the call
+        if rec.notes:
+            self._own_lost.update({q: f"{rec.module_name!r}: {'; '.join(rec.notes)}"
+                                   for q in names.values()})
+            return
+        n = self.batch_size
+        assert n is not None
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        c = 1.0 / n if self.loss_reduction == "mean" else 1.0
+        self._results = None
+        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
+                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                compute: Compute
+                if isinstance(own, _OwnCall):
+                    entry = owner.entry
+                    assert entry is not None and entry.own_pieces is not None
+                    pieces = entry.own_pieces(owner.module, own, rec.grad_outputs, scale)
+                    if pieces is None:
+                        if all(g is None for g in rec.grad_outputs.values()):
+                            return
+                        raise CannotReplay("a gradient the call's own forward waited for "
+                                           "was not computed")
+                    compute = PiecesCompute(pieces, frozenset(names))
+                else:
+                    if all(g is None for g in rec.grad_outputs.values()):
+                        raise CannotReplay("its output gradient was not recorded")
+                    compute = compute_for(owner, rec, scale, frozenset(names), materialize,
+                                          n, self.batch_dim)
+                if materialize:
+                    grads = compute.grads()
+                    totals = _sums(compute, grads)
+                    self._add_grads(names, grads, totals)
+                else:
+                    totals = compute.total()
+                shares = {}
+                for rel, g in totals.items():
+                    q = names[rel]
+                    g = (g * c).to(self._params[q].dtype)
+                    shares[q] = g
+                    self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
+                    inc = self._increments.get(q)
+                    self._increments[q] = g if inc is None else inc + g
+                if not materialize:
+                    self._add_reduced(names, compute, rec, scale, shares)
+        except CannotReplay as err:
+            self._own_lost.update({q: f"{rec.module_name!r}: {err}" for q in names.values()})
+            return
+        finally:
+            self._replaying = False
+            if isinstance(own, _OwnCall):
+                own.release()
+        owner.seen.update(names)
+
+    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
+                   sums: dict[str, Tensor]) -> None:
+        """Add one call's per-sample gradients, and their sums over the samples (for the
+        check at the end of backward)."""
+        for rel, t in sums.items():
+            qual = names[rel]
+            self._step_sum[qual] = t if qual not in self._step_sum else self._step_sum[qual] + t
         for rel, g in grads.items():
             qual = names[rel]
             step = self._step_grad
             step[qual] = g if qual not in step else step[qual] + g
 
     def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
-                     scale: float) -> None:
+                     scale: float, shares: dict[str, Tensor] | None = None) -> None:
         if self._want_norm:
             for rel, v in compute.norm_sq().items():
                 self._step_norm_sq[names[rel]] = v
@@ -400,7 +588,7 @@ class PerSample:
             for rel, v in compute.sum_sq().items():
                 self._step_sum_sq[names[rel]] = v
         for rel, qual in names.items():
-            g = rec.param_grads.get(rel)
+            g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
             if g is not None:
                 self._step_pg[qual] = g
                 if self._want_var:
@@ -408,8 +596,20 @@ class PerSample:
 
     # -- end of backward: check, replay, merge ------------------------------------------------
 
+    def _write_own(self) -> None:
+        """Add this backward's owned shares to ``.grad`` (as autograd accumulates)."""
+        with torch.no_grad():
+            for q, g in self._own_grad.items():
+                p = self._params[q]
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+
     def _end_of_backward(self) -> None:
         self._queued = False
+        lost = dict(self._own_lost)
+        self._write_own()
         try:
             if self.batch_size is not None and self._increments:
                 late = self._check_sums()
@@ -425,6 +625,12 @@ class PerSample:
             for frame in self._frames:
                 frame.grads = {}
             self._group_done = True
+        if lost:
+            raise GradtapError(
+                "per_sample(own_grad=True): the gradients of "
+                + "; ".join(f"{q} (module {why})" for q, why in lost.items())
+                + " could not be computed from their calls, so their .grad misses those "
+                "calls' share; use own_grad=False for this model")
 
     def _check_sums(self) -> dict[str, tuple[str, str]]:
         """Parameters whose per-sample gradients do not reduce to their ``.grad`` increment."""
@@ -432,13 +638,17 @@ class PerSample:
         c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
         touched = (set(self._step_grad) | set(self._step_pg) | set(self._increments)
                    | set(self._step_norm_sq) | set(self._step_sum_sq))
+        # A parameter whose every use this backward was owned has .grad increments that are
+        # the sums of its per-sample gradients by construction: nothing to check.
+        touched -= set(self._own_grad) - self._autograd_seen
         rows: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
         with torch.no_grad():
             grads = [q for q in touched if q in self._step_grad
                      and q not in self._flagged and q not in self._late]
             if grads:
-                sums = [self._step_grad[q].sum(0) for q in grads]
-                torch._foreach_mul_(sums, c)
+                sums = [self._step_sum[q] if q in self._step_sum else self._step_grad[q].sum(0)
+                        for q in grads]
+                sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     rows[q] = (a, self._increments.get(q, torch.zeros_like(a)),
                                self._step_grad[q])
@@ -459,8 +669,8 @@ class PerSample:
         return self._largest_norm
 
     def _discard(self, qual: str) -> None:
-        for step in (self._step_grad, self._step_norm_sq, self._step_sum_sq, self._step_total,
-                     self._step_pg):
+        for step in (self._step_grad, self._step_sum, self._step_norm_sq, self._step_sum_sq,
+                     self._step_total, self._step_pg):
             step.pop(qual, None)
 
     def _uses(self, qual: str) -> list[tuple[Frame, ...]]:
@@ -631,6 +841,11 @@ class PerSample:
         """Remove every hook; results stay readable. Safe to call twice."""
         self._tap.remove()
         self._hooks.remove()
+        for module in self._forwards:
+            vars(module).pop("forward", None)
+        self._forwards = []
+        while self._swapped:
+            _put_back(self._swapped.pop()[1])
 
     def __enter__(self) -> PerSample:
         return self
@@ -641,6 +856,67 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
                 f"quantities={self.quantities}>")
+
+
+def _sums(compute: Compute, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``sum_n g_n`` of one call's per-sample gradients ``grads``: from the rule's batch
+    gradient where that costs less than a pass over them (Linear without sequence dims,
+    Embedding), else summed."""
+    if isinstance(compute, RuleCompute) and compute.total_is_cheap(grads):
+        return compute.total()
+    return {rel: g.sum(0) for rel, g in grads.items()}
+
+
+def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:
+    """Undo ``_own_before``: the modules hold their parameters again."""
+    for module, rel, p in swaps:
+        cast(dict[str, Any], module._parameters)[rel] = p
+
+
+class _OwnCall:
+    """What a rule's own forward read during one call (``own_grad``): forward tensors and
+    the gradients w.r.t. some of its intermediate tensors."""
+
+    def __init__(self, hooks: HookSet, detach: frozenset[str]) -> None:
+        self.detach = detach
+        self._hooks = hooks
+        self._kept: dict[str, Tensor] = {}
+        self._grads: dict[str, Tensor] = {}
+
+    def detached(self, name: str, p: Tensor) -> Tensor:
+        return p.detach() if name in self.detach else p
+
+    def keep(self, key: str, t: Tensor) -> None:
+        self._kept[key] = t.detach()
+
+    def watch(self, key: str, t: Tensor) -> None:
+        grads = self._grads
+
+        def seen(g: Tensor) -> None:
+            grads[key] = g if key not in grads else grads[key] + g
+
+        self._hooks.gradient(t, seen)
+
+    @property
+    def kept(self) -> dict[str, Tensor]:
+        return self._kept
+
+    def release(self) -> None:
+        """Drop what was read (the hooks on the graph outlive the call's record)."""
+        self._kept.clear()
+        self._grads.clear()
+
+    @property
+    def grads(self) -> dict[str, Tensor]:
+        return self._grads
+
+
+def _own_forward(ref: weakref.ref[PerSample], name: str, module: nn.Module, forward: Any,
+                 *args: Any, **kwargs: Any) -> Any:
+    obj = ref()
+    if obj is None:
+        return type(module).forward(module, *args, **kwargs)
+    return obj._own_forward_call(name, module, forward, args, kwargs)
 
 
 class _Forward(Listener):
@@ -678,6 +954,7 @@ def per_sample(
     batch_dim: int = 0,
     quantities: Iterable[Quantity] = ("grad", "norm"),
     fallback: bool = True,
+    own_grad: bool = False,
 ) -> PerSample:
     """Compute per-sample gradients, their norms and batch statistics during backward.
 
@@ -705,6 +982,16 @@ def per_sample(
             enclosing call that can be replayed, with a warning naming the module. ``False``
             raises ``UnsupportedModuleError`` for modules without a rule, and makes the
             results name the other parameters in a ``GradtapError`` instead.
+        own_grad: compute ``.grad`` here instead of in autograd, for the selected parameters
+            whose every holding module has a rule. Their modules' calls that have one row
+            per sample and an argument that requires grad use them detached (so autograd
+            skips their batch weight gradients; ``MultiheadAttention`` then runs a forward of
+            its own that reads its projections' gradients instead of replaying its core), and
+            at the end of each backward the sum of those calls' per-sample gradients (times
+            ``1/N`` for ``"mean"``) is added to ``.grad``, or set where it is ``None``. Other
+            uses keep autograd's path and add to the same ``.grad``. Tensor hooks and
+            post-accumulate-grad hooks of those parameters see only autograd's part; the
+            added part carries no graph under ``create_graph=True`` (docs/semantics.md).
 
     Returns:
         A :class:`PerSample`, to use as a context manager; read its results after backward.
@@ -716,7 +1003,9 @@ def per_sample(
             numbers (dropout in training mode).
         ValueError: a bad argument.
         GradtapError: when results are read, for parameters that no rule and no replay could
-            give per-sample gradients (the message names each one, its module and why).
+            give per-sample gradients (the message names each one, its module and why); with
+            ``own_grad``, from backward, when an owned call's share of ``.grad`` could not be
+            computed.
 
     Example:
         >>> import torch, gradtap as gt
@@ -728,6 +1017,12 @@ def per_sample(
         (torch.Size([5, 4, 3]), torch.Size([5]))
         >>> torch.allclose(ps.grad["0.weight"].mean(0), net[0].weight.grad, atol=1e-6)
         True
+        >>> expected = net[2].weight.grad.clone()
+        >>> net.zero_grad()
+        >>> with gt.per_sample(net, own_grad=True) as ps:   # .grad from the per-sample sums
+        ...     torch.nn.functional.cross_entropy(net(x), y).backward()
+        >>> torch.allclose(net[2].weight.grad, expected, atol=1e-6)
+        True
     """
     return PerSample(model, select, loss_reduction=loss_reduction, batch_dim=batch_dim,
-                     quantities=quantities, fallback=fallback)
+                     quantities=quantities, fallback=fallback, own_grad=own_grad)

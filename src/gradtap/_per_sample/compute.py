@@ -16,7 +16,12 @@ from torch import Tensor
 from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap
 from gradtap._per_sample.owners import Owner, rows
 from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
-from gradtap._per_sample.rules.linear import grad_pieces, norm_sq_pieces, sum_sq_pieces
+from gradtap._per_sample.rules.linear import (
+    grad_pieces,
+    norm_sq_pieces,
+    sum_sq_pieces,
+    total_pieces,
+)
 from gradtap.record import GradRecord
 
 __all__ = ["Compute", "FallbackCompute", "ParametrizedCompute", "PiecesCompute", "RuleCompute",
@@ -34,6 +39,10 @@ class Compute:
 
     def sum_sq(self) -> dict[str, Tensor]:
         raise NotImplementedError
+
+    def total(self) -> dict[str, Tensor]:
+        """``sum_n g_n``, ``param.shape``: the batch gradient times the scale."""
+        return {k: g.sum(0) for k, g in self.grads().items()}
 
 
 class RuleCompute(Compute):
@@ -66,6 +75,16 @@ class RuleCompute(Compute):
     def sum_sq(self) -> dict[str, Tensor]:
         out = self.rule.sum_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
+
+    def total(self) -> dict[str, Tensor]:
+        out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
+        return self._scaled(out, self.after)
+
+    def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
+        """Whether ``total`` costs less than summing the per-sample gradients ``grads``."""
+        cost = self.rule.total_cost
+        return (cost is not None and self.rule.total is not None
+                and cost(self.inp, self.go) < sum(g.numel() for g in grads.values()))
 
 
 class ParametrizedCompute(RuleCompute):
@@ -106,6 +125,12 @@ class ParametrizedCompute(RuleCompute):
     def sum_sq(self) -> dict[str, Tensor]:
         return {k: g.square().sum(0) for k, g in self.grads().items()}
 
+    def total(self) -> dict[str, Tensor]:
+        return {k: g.sum(0) for k, g in self.grads().items()}
+
+    def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
+        return False
+
 
 class PiecesCompute(Compute):
     def __init__(self, pieces: list[Piece], names: frozenset[str]) -> None:
@@ -119,6 +144,9 @@ class PiecesCompute(Compute):
 
     def sum_sq(self) -> dict[str, Tensor]:
         return sum_sq_pieces(self.pieces, self.names)
+
+    def total(self) -> dict[str, Tensor]:
+        return total_pieces(self.pieces, self.names)
 
 
 class FallbackCompute(Compute):

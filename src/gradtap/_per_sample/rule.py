@@ -13,9 +13,13 @@ by parameter name relative to the module, for the names asked:
   ``[N, *param.shape]`` where a cheaper formulation exists;
 * ``sum_sq(...) -> {name: param.shape}``: ``sum_n g_n**2`` (elementwise), likewise.
 
-``norm_sq`` and ``sum_sq`` are optional fast paths: without them the quantity is reduced from
-``grad`` chunk by chunk over samples (:meth:`PerSampleRule.norm_sq_of`,
-:meth:`PerSampleRule.sum_sq_of`), so the temporary stays within :func:`budget`.
+* ``total(...) -> {name: param.shape}``: ``sum_n g_n``, the batch gradient (what autograd
+  would accumulate, times the scale), used when ``per_sample(own_grad=True)`` fills ``.grad``.
+
+``norm_sq``, ``sum_sq`` and ``total`` are optional fast paths: without them the quantity is
+reduced from ``grad`` chunk by chunk over samples (:meth:`PerSampleRule.norm_sq_of`,
+:meth:`PerSampleRule.sum_sq_of`, :meth:`PerSampleRule.total_of`), so the temporary stays
+within :func:`budget`.
 
 A module whose parameters all act as linear maps inside a more complex call (attention) can
 instead give ``pieces``, a function of the whole call,
@@ -23,6 +27,13 @@ instead give ``pieces``, a function of the whole call,
 for the whole batch and returns each linear map's input and output gradient; the Linear
 formulas then give gradients, norms (ghost or direct) and sums of squares. ``None`` means
 "cannot replay this call": the ``torch.func`` fallback takes it.
+
+A pieces rule may also give ``own_forward(module, args, kwargs, call) -> output | None``, the
+module's forward computed with its selected parameters detached (``call.detached(name, p)``)
+and its linear maps' inputs and output gradients read as they happen (``call.keep``,
+``call.watch``), and ``own_pieces(module, call, grad_outputs, scale) -> list[Piece] | None``
+from what it read and the call's output gradients: with ``own_grad=True`` the call is then never replayed. ``None`` from ``own_forward``
+means "not this call" (the module's own forward runs, autograd keeps its path).
 
 ``check(module) -> str | None`` names a reason why a module couples its samples (BatchNorm in
 training mode). ``batch_dim`` is the sample dim a type's forward requires (0 for convolutions
@@ -33,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +55,7 @@ __all__ = [
     "MIN_BUDGET",
     "PER_SAMPLE",
     "GradRule",
+    "OwnCall",
     "PerSampleRule",
     "Piece",
     "PiecesRule",
@@ -74,6 +86,29 @@ class Piece(NamedTuple):
     grad_out: Tensor
 
 
+class OwnCall(Protocol):
+    """What an ``own_forward`` reads during one call (see the module doc)."""
+
+    def detached(self, name: str, p: Tensor) -> Tensor:
+        """``p`` (the parameter ``name``, relative to the module) as the call should use it:
+        detached when per_sample computes its gradient, else ``p`` itself."""
+        ...
+
+    def keep(self, key: str, t: Tensor) -> None:
+        """Keep a forward tensor of the call (detached) under ``key``."""
+        ...
+
+    def watch(self, key: str, t: Tensor) -> None:
+        """Keep the gradient w.r.t. ``t`` under ``key`` when backward computes it."""
+        ...
+
+    @property
+    def kept(self) -> dict[str, Tensor]: ...
+
+    @property
+    def grads(self) -> dict[str, Tensor]: ...
+
+
 class PiecesRule(Protocol):
     """``(module, inputs, grad_outputs, scale) -> list[Piece] | None`` (see module doc)."""
 
@@ -94,7 +129,14 @@ class PerSampleRule:
         grad: per-sample gradients of one call.
         norm_sq: optional fast path for the squared per-sample norms.
         sum_sq: optional fast path for ``sum_n g_n**2``.
+        total: optional fast path for ``sum_n g_n`` (the batch gradient).
+        total_cost: ``(inp, grad_out) -> int``, what ``total`` costs in multiply-adds: when
+            per-sample gradients are built anyway, their sum costs their size, and the
+            cheaper of the two is taken. Without it they are summed.
         pieces: the call's linear maps, for types without ``grad``.
+        own_forward: the forward with selected parameters detached, reading the linear
+            maps' inputs and output gradients (``own_grad=True``).
+        own_pieces: the pieces from what ``own_forward`` read.
         check: a reason why a module couples its samples, or ``None``.
         batch_dim: the sample dim the type's forward requires (an int, or a function of the
             module), or ``None`` for any.
@@ -106,7 +148,12 @@ class PerSampleRule:
     grad: GradRule | None = None
     norm_sq: GradRule | None = None
     sum_sq: GradRule | None = None
+    total: GradRule | None = None
+    total_cost: Callable[[Tensor, Tensor], int] | None = None
     pieces: PiecesRule | None = None
+    own_forward: Callable[[nn.Module, tuple, dict, OwnCall], Any] | None = None
+    own_pieces: Callable[[nn.Module, OwnCall, dict[str, Tensor | None], float],
+                         list[Piece] | None] | None = None
     check: Callable[[nn.Module], str | None] | None = None
     batch_dim: int | Callable[[nn.Module], int] | None = None
 
@@ -141,6 +188,19 @@ class PerSampleRule:
         for sl in chunks(inp.shape[0], _numel(module, names), budget(inp, grad_out)):
             for k, g in self.grad(module, inp[sl], grad_out[sl], names).items():
                 s = g.square().sum(0)
+                out[k] = s if k not in out else out[k].add_(s)
+        return out
+
+    def total_of(self, module: nn.Module, inp: Tensor, grad_out: Tensor,
+                 names: frozenset[str]) -> dict[str, Tensor]:
+        """``sum_n g_n``: the fast path, or ``grad`` a chunk of samples at a time."""
+        if self.total is not None:
+            return self.total(module, inp, grad_out, names)
+        assert self.grad is not None
+        out: dict[str, Tensor] = {}
+        for sl in chunks(inp.shape[0], _numel(module, names), budget(inp, grad_out)):
+            for k, g in self.grad(module, inp[sl], grad_out[sl], names).items():
+                s = g.sum(0)
                 out[k] = s if k not in out else out[k].add_(s)
         return out
 

@@ -132,13 +132,15 @@ class HookSet:
         self._handles.append(register_optimizer_step_pre_hook(hook))
 
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
-                     after: Callable[[Any], None]) -> None:
+                     after: Callable[[Any], None], *, always: bool = False) -> None:
         """Run ``before(args, kwargs)`` and ``after(output)`` around each call of ``module``
-        (``after`` only when the call returns). On a module compiled in place
-        (``module.compile()``) they run around its compiled call instead, outside compiled
-        code, so they add no graph break (``before`` then sees the arguments before any of the
-        module's own pre-hooks)."""
-        if compiled_in_place(module):
+        (``after`` only when the call returns; with ``always``, also when it raises, with
+        ``None``, and even while the set stands aside, so that it can undo what ``before``
+        did). On a module compiled in place (``module.compile()``) they run around its
+        compiled call instead, outside compiled code, so they add no graph break (``before``
+        then sees the arguments before any of the module's own pre-hooks); with ``always``
+        they stay the module's own hooks (the caller runs that compiled code eagerly)."""
+        if compiled_in_place(module) and not always:
             live = self._live
 
             def outer_before(args: tuple, kwargs: dict) -> None:
@@ -160,10 +162,10 @@ class HookSet:
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
         def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
-            if self._live():
+            if always or self._live():
                 after(output)
 
-        self._handles.append(module.register_forward_hook(forward_hook))
+        self._handles.append(module.register_forward_hook(forward_hook, always_call=always))
 
     def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> RemovableHandle | None:
         """Run ``fn(grad)`` with the gradient w.r.t. ``t`` as it is now, in each backward that

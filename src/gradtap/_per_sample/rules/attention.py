@@ -23,21 +23,30 @@ Calls the replay cannot reproduce return ``None`` and go to the ``torch.func`` f
 ``bias_k``/``bias_v`` (a per-sample gradient of a key appended to every sample), a gradient
 reaching the returned attention weights, and unbatched inputs. Dropout on the attention
 weights in training mode cannot be replayed by either and is refused.
+
+With ``per_sample(own_grad=True)`` nothing is replayed: :func:`own_forward_attention` runs
+the call itself (projections as ``F.linear`` with the selected parameters detached, the core
+as ``F.scaled_dot_product_attention``, or explicitly when the attention weights are asked
+for), keeping each projection's input and the context and reading the gradients w.r.t. the
+projections' outputs as autograd computes them. That covers a gradient
+reaching the attention weights and dropout too (the masks are those of the forward).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import PerSampleRule, Piece, chunks
+from gradtap._per_sample.rule import OwnCall, PerSampleRule, Piece, chunks
 from gradtap.errors import UnsupportedModuleError
 
-__all__ = ["ATTENTION", "batch_dim_attention", "pieces_attention"]
+__all__ = ["ATTENTION", "batch_dim_attention", "own_forward_attention", "own_pieces_attention",
+           "pieces_attention"]
 
 
 def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -221,5 +230,128 @@ def pieces_attention(
     return pieces
 
 
-#: ``nn.MultiheadAttention``: its linear maps, replayed for the whole batch.
-ATTENTION = PerSampleRule(pieces=pieces_attention, batch_dim=batch_dim_attention)
+_MHA_ARGS = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def own_forward_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any],
+                          call: OwnCall) -> Any:
+    """``MultiheadAttention.forward`` with the selected parameters detached, reading each
+    projection's input and output gradient and the context as they happen.
+
+    The same function as the module's forward (its masks, ``is_causal``, dropout,
+    ``need_weights``), for batched inputs without ``bias_k``/``bias_v`` or ``add_zero_attn``;
+    ``None`` for any other call, and for a call in which a projection's input does not
+    require grad (its output gradient would not be computed).
+    """
+    mha = cast(nn.MultiheadAttention, module)
+    try:
+        bound = _MHA_ARGS.bind(module, *args, **kwargs)
+    except TypeError:
+        return None
+    a = bound.arguments
+    query, key, value = a["query"], a["key"], a["value"]
+    attn_mask, kpm = a.get("attn_mask"), a.get("key_padding_mask")
+    need_weights = a.get("need_weights", True)
+    is_causal = a.get("is_causal", False)
+    if (query.dim() != 3 or mha.bias_k is not None or mha.bias_v is not None
+            or mha.add_zero_attn or (is_causal and attn_mask is None)
+            or not all(isinstance(x, Tensor) and x.requires_grad for x in (query, key, value))):
+        return None
+    xs = [query, key, value]
+    if not mha.batch_first:  # [L, N, E] -> [N, L, E] (views)
+        xs = [x.transpose(0, 1) for x in xs]
+    n, t, e = xs[0].shape
+    s = xs[1].shape[1]
+    h = mha.num_heads
+    bias: Tensor | None = mha.in_proj_bias
+    bias = None if bias is None else call.detached("in_proj_bias", bias)
+    projections: list[Tensor] = []
+    if mha._qkv_same_embed_dim:
+        assert mha.in_proj_weight is not None
+        weight = call.detached("in_proj_weight", mha.in_proj_weight)
+        spans: list[list[int]] = [[0]]
+        for j in (1, 2):
+            if _same(xs[j], xs[spans[-1][-1]]):
+                spans[-1].append(j)
+            else:
+                spans.append([j])
+        for span in spans:
+            rows = slice(span[0] * e, (span[-1] + 1) * e)
+            proj = F.linear(xs[span[0]], weight[rows], None if bias is None else bias[rows])
+            call.keep(f"in_proj_weight:{span[0]}", xs[span[0]])
+            call.watch(f"in_proj_weight:{span[0]}", proj)
+            projections.extend(proj.chunk(len(span), -1))
+    else:
+        for j, name in enumerate(("q_proj_weight", "k_proj_weight", "v_proj_weight")):
+            proj = F.linear(xs[j], call.detached(name, getattr(mha, name)),
+                            None if bias is None else bias[j * e:(j + 1) * e])
+            call.keep(f"{name}:{j}", xs[j])
+            call.watch(f"{name}:{j}", proj)
+            projections.append(proj)
+    q, k, v = (p.unflatten(-1, (h, e // h)).transpose(1, 2) for p in projections)
+    mask = _float_mask(attn_mask, q.dtype)
+    if mask is not None:
+        mask = mask.reshape(1, 1, t, s) if mask.dim() == 2 else mask.reshape(n, h, t, s)
+    pad = _float_mask(kpm, q.dtype)
+    if pad is not None:
+        pad = pad.reshape(n, 1, 1, s)
+        mask = pad if mask is None else mask + pad
+        is_causal = False
+    elif is_causal and not need_weights:  # the module's forward then trusts the hint alone
+        mask = None
+    else:
+        is_causal = False
+    dropout = mha.dropout if mha.training else 0.0
+    weights = None
+    if need_weights:
+        scores = torch.matmul(q * math.sqrt(1.0 / (e // h)), k.transpose(-2, -1))
+        if mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1)
+        if dropout > 0.0:
+            probs = F.dropout(probs, p=dropout)
+        context = torch.matmul(probs, v)
+        weights = probs.mean(1) if a.get("average_attn_weights", True) else probs
+    else:
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=is_causal)
+    context = context.transpose(1, 2).reshape(n, t, e)
+    out = F.linear(context, call.detached("out_proj.weight", mha.out_proj.weight),
+                   None if mha.out_proj.bias is None
+                   else call.detached("out_proj.bias", mha.out_proj.bias))
+    call.keep("context", context)
+    return (out if mha.batch_first else out.transpose(0, 1)), weights
+
+
+def own_pieces_attention(module: nn.Module, call: OwnCall, grad_outputs: dict[str, Tensor | None],
+                         scale: float) -> list[Piece] | None:
+    """The pieces of a call made by :func:`own_forward_attention`, from what it read and the
+    gradient w.r.t. its output."""
+    grads, kept = call.grads, call.kept
+    go = grad_outputs.get("0")
+    if go is None:
+        return None
+    go = go * scale if module.batch_first else go.transpose(0, 1) * scale
+    pieces, biases = [], []
+    for key, x in kept.items():
+        if key == "context":
+            continue
+        g = grads.get(key)
+        if g is None:
+            return None
+        g = g * scale
+        pieces.append(Piece(key.partition(":")[0], x, g))
+        biases.append(Piece("in_proj_bias", None, g))
+    mha = cast(nn.MultiheadAttention, module)
+    if mha.in_proj_bias is not None:
+        pieces += biases
+    pieces.append(Piece("out_proj.weight", kept["context"], go))
+    if mha.out_proj.bias is not None:
+        pieces.append(Piece("out_proj.bias", None, go))
+    return pieces
+
+
+#: ``nn.MultiheadAttention``: its linear maps, replayed for the whole batch, or (with
+#: ``own_grad=True``) read during the call itself.
+ATTENTION = PerSampleRule(pieces=pieces_attention, batch_dim=batch_dim_attention,
+                          own_forward=own_forward_attention, own_pieces=own_pieces_attention)

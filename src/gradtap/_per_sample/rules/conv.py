@@ -34,7 +34,7 @@ from gradtap.functional._weight_grad import (
     windows,
 )
 
-__all__ = ["CONV", "CONV_TYPES", "grad_conv", "norm_conv"]
+__all__ = ["CONV", "CONV_TYPES", "grad_conv", "norm_conv", "total_conv"]
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
               nn.ConvTranspose3d)
@@ -133,4 +133,16 @@ def norm_conv(
 
 
 #: ``CONV_TYPES``: inputs ``[N, C, *spatial]``; the sum of squares is reduced from ``grad``.
-CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, batch_dim=0)
+def total_conv(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """``sum_n g_n``: the batch weight gradient (the library's kernel) and bias gradient."""
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = weight_grad(_problem(module, inp, grad_out))
+    if "bias" in names:
+        out["bias"] = _bias(module, grad_out).sum(0)
+    return out
+
+
+CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, total=total_conv, batch_dim=0)

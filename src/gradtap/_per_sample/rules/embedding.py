@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from gradtap._per_sample.rule import PerSampleRule
 
 __all__ = ["EMBEDDING", "check_embedding", "grad_embedding", "norm_embedding",
-           "sum_sq_embedding"]
+           "sum_sq_embedding", "total_embedding"]
 
 
 def check_embedding(module: nn.Module) -> str | None:
@@ -104,5 +104,19 @@ def sum_sq_embedding(
 
 
 #: ``nn.Embedding``: norms and sums of squares from the touched rows only.
+def total_embedding(
+    module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """``sum_n g_n``: every output gradient added onto the row it looked up."""
+    if "weight" not in names:
+        return {}
+    module = cast(nn.Embedding, module)
+    idx, b = _flat(module, inp, grad_out)
+    d = b.shape[-1]
+    g = b.new_zeros(module.num_embeddings, d)
+    return {"weight": g.index_add_(0, idx.flatten(), b.reshape(-1, d))}
+
+
 EMBEDDING = PerSampleRule(grad=grad_embedding, norm_sq=norm_embedding, sum_sq=sum_sq_embedding,
+                          total=total_embedding, total_cost=lambda inp, go: go.numel(),
                           check=check_embedding)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
 
 __all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
-           "sum_sq_linear", "sum_sq_pieces"]
+           "sum_sq_linear", "sum_sq_pieces", "total_linear", "total_pieces"]
 
 
 def _flat(inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,8 +101,24 @@ def sum_sq_linear(
     return out
 
 
+def total_linear(
+    module: nn.Module | None, inp: Tensor, grad_out: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """``sum_n g_n``: the batch gradient, one matrix product over all rows."""
+    a = inp.reshape(-1, inp.shape[-1])
+    b = grad_out.reshape(-1, grad_out.shape[-1])
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = b.T @ a
+    if "bias" in names:
+        out["bias"] = b.sum(0)
+    return out
+
+
 #: ``nn.Linear``: closed forms for every quantity.
-LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear)
+LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear,
+                       total=total_linear,
+                       total_cost=lambda inp, go: go.numel() * inp.shape[-1])
 
 
 def _by_name(pieces: list[Piece], names: frozenset[str]) -> dict[str, list[Piece]]:
@@ -144,6 +160,12 @@ def norm_sq_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tens
 def sum_sq_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tensor]:
     """``sum_n g_n**2`` ``param.shape``, row blocks concatenated."""
     return {k: _cat([_piece(sum_sq_linear, p) for p in ps], 0)
+            for k, ps in _by_name(pieces, names).items()}
+
+
+def total_pieces(pieces: list[Piece], names: frozenset[str]) -> dict[str, Tensor]:
+    """``sum_n g_n`` ``param.shape``, row blocks concatenated."""
+    return {k: _cat([_piece(total_linear, p) for p in ps], 0)
             for k, ps in _by_name(pieces, names).items()}
 
 
