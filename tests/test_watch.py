@@ -227,8 +227,9 @@ def test_torchrun_ranks_rank_0_writes_the_reduced_gradients(tmp_path, capfd, mon
     out = tmp_path / "run"
     code = main(["watch", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
                  "--standalone", "--nproc-per-node", "2", str(script)])
-    printed = _printed(capfd.readouterr().out, "norms")
-    assert code == 0 and len(printed) == 3
+    captured = capfd.readouterr()
+    printed = _printed(captured.out, "norms")
+    assert code == 0 and len(printed) == 3, captured.err[-3000:]
     _assert_norms(out, printed)  # names without DDP's "module."
     assert gt.open_run(out).meta["world_size"] == 2
 
