@@ -37,3 +37,14 @@ def resnet18_like(batch: int = 16, width: int = 64, seed: int = 0) -> tuple[nn.M
     11.2M parameters) on random inputs [batch, 3, 32, 32]."""
     torch.manual_seed(seed)
     return (examples.resnet18_like(width=width), *_data((batch, 3, 32, 32), seed))
+
+
+def bare_stat_kernels(model: nn.Module) -> object:
+    """The floor of the Monitor's default statistics: only the reduction passes they need (a
+    sum, a foreach norm, a min/max pass) over every parameter gradient and one host copy, with
+    no bookkeeping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    minmax = [torch.aminmax(g) for g in grads]
+    scalars = [g.sum() for g in grads] + list(torch._foreach_norm(grads))
+    scalars += [m.max for m in minmax] + [m.min for m in minmax]
+    return torch.stack(scalars).cpu().numpy()

@@ -7,7 +7,9 @@ round by round (``_harness.interleaved``):
 * ``eager plain``       the step on the model as it is;
 * ``eager monitor``     the same + ``mon.step()`` (default stats on every parameter gradient);
 * ``compiled plain``    the step on ``torch.compile(model)`` (the default backend, inductor);
-* ``compiled monitor``  the same + ``mon.step()`` of a Monitor made on the compiled model.
+* ``compiled monitor``  the same + ``mon.step()`` of a Monitor made on the compiled model;
+* ``compiled floor``    the compiled step + only the reduction passes the default stats need
+  and one host copy (``_models.bare_stat_kernels``): the floor the Monitor is held to.
 
 Each monitor variant's ratio is the median over rounds of its time over its own plain step's
 time in the same round (eager over eager, compiled over compiled). The Monitor's parameter
@@ -35,7 +37,8 @@ import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _harness import Timing, interleaved, machine, markdown_table, paired  # noqa: E402
 
-VARIANTS = ("eager plain", "eager monitor", "compiled plain", "compiled monitor")
+VARIANTS = ("eager plain", "eager monitor", "compiled plain", "compiled monitor",
+            "compiled floor")
 
 
 def bench_model(build: Callable, *, rounds: int, steps: int, warmup: int, backend: str,
@@ -65,6 +68,8 @@ def bench_model(build: Callable, *, rounds: int, steps: int, warmup: int, backen
         prefix = "compiled" if compiled else "eager"
         variants[f"{prefix} plain"] = step(lambda: None)
         variants[f"{prefix} monitor"] = step(mon.step)
+        if compiled:
+            variants["compiled floor"] = step(lambda m=model: _models.bare_stat_kernels(m))
     with warnings.catch_warnings():
         # Inductor may warn about a missing tuning option on a CPU; not our code.
         warnings.simplefilter("ignore")
@@ -125,6 +130,8 @@ def _run(args: argparse.Namespace) -> str:
             f"{t['compiled plain'].seconds * 1e3:.2f} ms",
             f"{t['compiled monitor'].seconds * 1e3:.2f} ms "
             f"({paired(t['compiled monitor'], t['compiled plain']):.3f}x)",
+            f"{t['compiled floor'].seconds * 1e3:.2f} ms "
+            f"({paired(t['compiled floor'], t['compiled plain']):.3f}x)",
         ])
     table = markdown_table(["model", *VARIANTS], rows)
     print(f"{machine()}; backend {backend}; median over {rounds} interleaved rounds of the "

@@ -53,14 +53,6 @@ def _naive_stats(model: torch.nn.Module) -> list[float]:
     return out
 
 
-def _bare_kernels(model: torch.nn.Module) -> object:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    minmax = [torch.aminmax(g) for g in grads]
-    scalars = [g.sum() for g in grads] + list(torch._foreach_norm(grads))
-    scalars += [m.max for m in minmax] + [m.min for m in minmax]
-    return torch.stack(scalars).cpu().numpy()
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -112,7 +104,7 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
         "monitor": mon.step,
         "+store": mon_store.step,
         "naive loop": lambda: _naive_stats(model),
-        "bare kernels": lambda: _bare_kernels(model),
+        "bare kernels": lambda: _models.bare_stat_kernels(model),
     }
     try:
         result = interleaved({v: train_step(after[v]) for v in VARIANTS}, steps=steps,
