@@ -143,6 +143,10 @@ class Screen:
                 else:
                     groups.setdefault((p.device, p.dtype), []).append((name, p))
         self._param_groups = list(groups.values())
+        self._flags: dict[torch.device, Tensor] = {}  # the flags of the healthy step's check
+        self._one_group = ([p for _, p in self._param_groups[0]]
+                           if len(self._param_groups) == 1 and not self._large_params
+                           and not self._maybe_sparse else None)
         # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
         self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
         self.cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
@@ -179,13 +183,19 @@ class Screen:
             self._leaf_hooks.append(handle)
 
     def _before(self, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and not in_recomputation():
-            self._open.append(RootCall(args, kwargs, self.cuda))
-            for path, t in self._arguments(args, kwargs):
-                if t.requires_grad and _host.measurable(t):
-                    self._hook_gradient(t, "grad_input", "", path, None)
-        else:
+        if not torch.is_grad_enabled() or in_recomputation():
             self._open.append(None)
+            return
+        self._open.append(RootCall(args, kwargs, self.cuda))
+        if not kwargs:
+            for a in args:
+                if not isinstance(a, Tensor) or a.requires_grad:
+                    break
+            else:
+                return  # the usual call: tensors that need no gradient
+        for path, t in self._arguments(args, kwargs):
+            if t.requires_grad and _host.measurable(t):
+                self._hook_gradient(t, "grad_input", "", path, None)
 
     def _after(self, output: Any) -> None:
         call = self._open.pop() if self._open else None
@@ -201,15 +211,20 @@ class Screen:
                  g: Tensor) -> None:
         if self._end.arm():  # the first gradient of this backward
             self._backward = []
-            with torch.no_grad():
-                self._finite_at_start = {i: torch.isfinite(p.grad).all().to(torch.float32)
-                                         for i, p in self._bad_params.items()
-                                         if p.grad is not None}
+            if self._bad_params:
+                with torch.no_grad():
+                    self._finite_at_start = {i: torch.isfinite(p.grad).all().to(torch.float32)
+                                             for i, p in self._bad_params.items()
+                                             if p.grad is not None}
         if _host.measurable(g):
             self._grads.add(where, name, path, g)
         if call is not None:  # the model's own output: kept for a replay of this backward
-            if not any(c is call for c in self._backward):
-                self._backward.append(call)
+            backward = self._backward
+            for c in backward:
+                if c is call:
+                    break
+            else:
+                backward.append(call)
             old = call.grads.get(path)
             call.grads[path] = g if old is None else old + g
 
@@ -264,17 +279,23 @@ class Screen:
         params: list[tuple[str, Tensor]] = []
         grad_groups: list[list[Tensor]] = []
         summed: list[tuple[Tensor, Tensor]] = []
+        refs, ranges = fwd.refs, fwd.ranges
+        started = {}
         if backward:
             self.backward_checked = True
-            pending.append(self._grads)
+            running = self._grads
+            pending.append(running)
+            refs, ranges = refs + running.refs, ranges + running.ranges
             if not self.quiet_params:
                 params, grad_groups, summed = self._param_grads()
-        started = self._finite_at_start if backward else {}
+            started = self._finite_at_start
         self._finite_at_start = {}
         self.param_norms = None
-        refs = [t for part in pending for t in part.refs]
-        ranges = [t for part in pending for t in part.ranges]
         if not refs and not ranges and not params:
+            return []
+        if self._all_finite(refs, ranges, params, grad_groups, summed):  # the usual step
+            if params:
+                self._bad_params.clear()
             return []
         with torch.no_grad():
             # The one host copy: the screened tensors' norms, then one flag per group of
@@ -356,11 +377,81 @@ class Screen:
         # In the order they were screened: calls as they finished, gradients as they arrived.
         return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
 
+    def _all_finite(self, refs: list[Tensor], ranges: list[Tensor],
+                    params: list[tuple[str, Tensor]], grad_groups: list[list[Tensor]],
+                    summed: list[tuple[Tensor, Tensor]]) -> bool:
+        """The healthy step's check: whether everything :meth:`check` reads is finite, from
+        one fused finiteness pass per device and dtype over the parameter gradients and the
+        small reductions (the screened tensors' sums, the large gradients' sums, the ranges)
+        and one host copy of a flag per device (in norms mode, with the parameter-gradient
+        norms, then kept in ``param_norms``). False when something is not finite (or a sum
+        overflows), or when this pass cannot say (a dtype or tensor the fused pass refuses):
+        the full check then looks at each value."""
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # no graph for the reductions
+        try:
+            lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+            vectors: list[Tensor] = []
+            if self.norms_mode:
+                vectors = [ops.group_norms(g) for g in grad_groups if g]
+            else:  # the gradients themselves, written back as they are by the fused pass
+                for group in grad_groups:
+                    if group:
+                        lists.setdefault((group[0].device, group[0].dtype), []).extend(group)
+            # Reductions made here, which the fused pass may write back too; a screened tensor
+            # is summed (it is not ours to write), in float32 at least.
+            owned: list[Tensor] = [*ranges, *(s for _, s in summed), *vectors]
+            owned += [t.sum() if t.dtype not in _HALF else t.sum(dtype=torch.float32)
+                      for t in refs]
+            for t in owned:
+                if t.dtype in _HALF:
+                    t = t.float()
+                key = (t.device, t.dtype)
+                same = lists.get(key)
+                if same is None:
+                    lists[key] = [t]
+                else:
+                    same.append(t)
+            flags = []
+            for (device, _), tensors in lists.items():
+                flag = self._flags.get(device)
+                if flag is None:  # kept: the fused pass only ever sets it (reset when read set)
+                    flag = self._flags[device] = torch.zeros((), dtype=torch.float32,
+                                                             device=device)
+                flags.append(flag)
+                if not _host.flag_nonfinite_(tensors, flag):
+                    self._reset_flags()
+                    return False
+            n_flags = len(flags)
+            if self.norms_mode:
+                flags += [*vectors, *(s.reshape(1) for _, s in summed)]
+            host = _host.to_host(flags)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        for h in host[:n_flags]:
+            if h.item() != 0:
+                self._reset_flags()
+                return False
+        if self.norms_mode and params:
+            self.param_norms = (params, np.concatenate(host[n_flags:]).astype(np.float64))
+        return True
+
+    def _reset_flags(self) -> None:
+        for flag in self._flags.values():
+            flag.zero_()
+
     def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]],
                                     list[tuple[Tensor, Tensor]]]:
         """The parameters with a gradient to check, in the order of their values: those whose
         gradients are to be reduced, by device and dtype, then those whose gradient was summed
         in backward and is unchanged since, as ``(grad, sum)``."""
+        if self._one_group is not None:  # the usual model: every gradient there, one group
+            every: list[Any] = [p.grad for p in self._one_group]
+            for g in every:
+                if g is None:
+                    break
+            else:
+                return self._param_groups[0], [every], []
         params: list[tuple[str, Tensor]] = []
         groups: list[list[Tensor]] = []
         for group in self._param_groups:
