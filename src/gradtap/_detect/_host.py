@@ -83,13 +83,14 @@ def flag_nonfinite_(group: Sequence[Tensor], found: Tensor) -> bool:
     """
     if not group:
         return True
-    dtype = group[0].dtype
-    if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in group):
-        return False  # a part of the model cast since the list was formed
+    dtypes = {t.dtype for t in group}
+    if len(dtypes) != 1 or group[0].dtype not in (torch.float32, torch.float64):
+        return False  # e.g. a part of the model cast since the list was formed
     one = _ONES.get(found.device)
     if one is None:
         one = _ONES[found.device] = torch.ones((), dtype=torch.float32, device=found.device)
-    tensors = list(group) if not _kernel_moves_versions() else [t.data for t in group]
+    tensors = (group if isinstance(group, list) else list(group)) if not _kernel_moves_versions() \
+        else [t.data for t in group]
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
     except (RuntimeError, NotImplementedError):
@@ -126,6 +127,7 @@ def _flag_from_norms(group: Sequence[Tensor], device: torch.device) -> Tensor:
 def to_host(parts: list[Tensor]) -> list[np.ndarray]:
     """The check's one host copy (``gradtap._tensorops.to_host``), looked up here so the
     number of copies a check makes can be counted in tests."""
-    if len(parts) == 1 and parts[0].device.type == "cpu" and parts[0].dtype != torch.bfloat16:
-        return [parts[0].detach().numpy()]  # the healthy step's one flag on CPU: a view
-    return ops.to_host(parts)
+    for p in parts:
+        if p.device.type != "cpu" or p.dtype == torch.bfloat16:
+            return ops.to_host(parts)
+    return [p.detach().numpy() for p in parts]  # on CPU, views (what ops.to_host gives too)

@@ -43,6 +43,9 @@ __all__ = ["RootCall", "Screen", "Suspect"]
 #: Calls of the model kept (arguments, RNG state) per step for a replay; older calls of a
 #: step that runs more forwards than this without ``det.step()`` are not replayed.
 MAX_KEPT_CALLS = 64
+#: In norms mode on CPU, parameter gradients of one shape with at most this many elements each
+#: are stacked and reduced in one norm.
+STACKED = 1 << 14
 #: Tensors with at most this many elements are kept by reference until the check (one batched
 #: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
 SMALL = 1 << 16
@@ -60,7 +63,7 @@ class RootCall:
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
         self.rng = torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices] if cuda_devices else []
         self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                               for d in _AUTOCAST_DEVICES)
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
@@ -144,6 +147,11 @@ class Screen:
                     groups.setdefault((p.device, p.dtype), []).append((name, p))
         self._param_groups = list(groups.values())
         self._flags: dict[torch.device, Tensor] = {}  # the flags of the healthy step's check
+        # Norms mode on CPU: the one group's order and runs (see _norm_plan; () when none),
+        # and the gradients last listed in that order.
+        self._plan: tuple[list[tuple[str, Tensor]], list[Tensor],
+                          list[tuple[int, int, tuple[int, ...]]]] | tuple[()] | None = None
+        self._planned: list[Tensor] | None = None
         self._one_group = ([p for _, p in self._param_groups[0]]
                            if len(self._param_groups) == 1 and not self._large_params
                            and not self._maybe_sparse else None)
@@ -247,8 +255,10 @@ class Screen:
             if self.on_backward_end is not None:
                 self.on_backward_end(backward)
         finally:
-            self._grads = _Pending()
-            self._remove_leaf_hooks()
+            if self._grads.refs or self._grads.range_info:
+                self._grads = _Pending()
+            if self._leaf_hooks:
+                self._remove_leaf_hooks()
             for call in backward:
                 call.grads = {}
 
@@ -304,7 +314,7 @@ class Screen:
             # norms) instead of the flags.
             if self.norms_mode:
                 flags = []
-                vectors = [ops.group_norms(g) for g in grad_groups if g]
+                vectors = [self._grad_norms(g) for g in grad_groups if g]
             else:
                 flags = _host.nonfinite_flags(grad_groups)
                 vectors = []
@@ -393,7 +403,7 @@ class Screen:
             lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             vectors: list[Tensor] = []
             if self.norms_mode:
-                vectors = [ops.group_norms(g) for g in grad_groups if g]
+                vectors = [self._grad_norms(g) for g in grad_groups if g]
             else:  # the gradients themselves, written back as they are by the fused pass
                 for group in grad_groups:
                     if group:
@@ -433,8 +443,51 @@ class Screen:
                 self._reset_flags()
                 return False
         if self.norms_mode and params:
-            self.param_norms = (params, np.concatenate(host[n_flags:]).astype(np.float64))
+            got = host[n_flags:]
+            self.param_norms = (params, (got[0] if len(got) == 1 else np.concatenate(got)
+                                         ).astype(np.float64))
         return True
+
+    def _norm_plan(self) -> tuple[list[tuple[str, Tensor]], list[Tensor],
+                                  list[tuple[int, int, tuple[int, ...]]]] | None:
+        """How norms mode reduces the one group of small CPU parameter gradients: the group
+        reordered so that parameters of one shape come together, and the ``(start, stop,
+        dims)`` of each run of two or more, whose gradients are stacked and reduced in one
+        norm (on CPU a foreach norm costs a kernel per tensor); the rest follow, reduced by
+        one foreach norm. None when not worth it (not on CPU, nothing to stack)."""
+        if self._plan is None:
+            group = self._param_groups[0]
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i, (_, p) in enumerate(group):
+                if p.device.type == "cpu" and 0 < p.dim() and p.numel() <= STACKED:
+                    by_shape.setdefault(tuple(p.shape), []).append(i)
+            runs = [idx for idx in by_shape.values() if len(idx) > 1]
+            order = [i for idx in runs for i in idx]
+            stacked = set(order)
+            order += [i for i in range(len(group)) if i not in stacked]
+            spans, at = [], 0
+            for idx in runs:
+                spans.append((at, at + len(idx), tuple(range(1, group[idx[0]][1].dim() + 1))))
+                at += len(idx)
+            named = [group[i] for i in order]
+            self._plan = (named, [p for _, p in named], spans) if spans else ()
+        return self._plan or None
+
+    def _grad_norms(self, grads: list[Tensor]) -> Tensor:
+        """The L2 norm of each of ``grads`` (one device and dtype), as one vector."""
+        plan = self._plan
+        if not plan or grads is not self._planned:
+            return ops.group_norms(grads)
+        self._planned = None
+        parts = []
+        low = grads[0].dtype in _HALF
+        for start, stop, dims in plan[2]:
+            parts.append(torch.linalg.vector_norm(torch.stack(grads[start:stop]), dim=dims,
+                                                  dtype=torch.float32 if low else None))
+        rest = plan[2][-1][1]
+        if rest < len(grads):
+            parts.append(ops.group_norms(grads[rest:]))
+        return torch.cat(parts)
 
     def _reset_flags(self) -> None:
         for flag in self._flags.values():
@@ -446,12 +499,16 @@ class Screen:
         gradients are to be reduced, by device and dtype, then those whose gradient was summed
         in backward and is unchanged since, as ``(grad, sum)``."""
         if self._one_group is not None:  # the usual model: every gradient there, one group
-            every: list[Any] = [p.grad for p in self._one_group]
+            plan = self._norm_plan() if self.norms_mode else None
+            every: list[Any] = [p.grad for p in (self._one_group if plan is None else plan[1])]
             for g in every:
                 if g is None:
                     break
             else:
-                return self._param_groups[0], [every], []
+                if plan is None:
+                    return self._param_groups[0], [every], []
+                self._planned = every
+                return plan[0], [every], []
         params: list[tuple[str, Tensor]] = []
         groups: list[list[Tensor]] = []
         for group in self._param_groups:
@@ -483,11 +540,13 @@ class Screen:
 
     def new_step(self) -> None:
         """Forget this step's calls (``det.step()``)."""
-        self._sums = {}
+        if self._sums:
+            self._sums = {}
         self.calls = []
         self.quiet_params = False
         self.backward_checked = False
-        self._remove_leaf_hooks()
+        if self._leaf_hooks:
+            self._remove_leaf_hooks()
 
     def remove(self) -> None:
         self.hooks.remove()
