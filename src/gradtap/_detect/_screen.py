@@ -51,6 +51,8 @@ STACKED = 1 << 14
 SMALL = 1 << 16
 _HALF = (torch.float16, torch.bfloat16)
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+#: The autocast state of a call made with autocast off on every device.
+_NO_AUTOCAST = tuple((d, False, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
 class RootCall:
@@ -62,10 +64,14 @@ class RootCall:
     def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
-        self.rng = torch.get_rng_state()
+        self.rng = torch.default_generator.get_state()  # torch.get_rng_state()
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices] if cuda_devices else []
-        self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                              for d in _AUTOCAST_DEVICES)
+        self.autocast = _NO_AUTOCAST
+        for d in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(d):
+                self.autocast = tuple((e, torch.is_autocast_enabled(e),
+                                       torch.get_autocast_dtype(e)) for e in _AUTOCAST_DEVICES)
+                break
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
         self.reported = False  # an anomaly of its forward was reported: skip its backward
 
@@ -186,7 +192,7 @@ class Screen:
 
     def _hook_gradient(self, t: Tensor, where: str, name: str, path: str,
                        call: RootCall | None) -> None:
-        handle = self.hooks.gradient(t, functools.partial(self._on_grad, where, name, path, call))
+        handle = self.hooks.gradient(t, self._on_grad, (where, name, path, call))
         if handle is not None:
             self._leaf_hooks.append(handle)
 
@@ -397,6 +403,11 @@ class Screen:
         norms, then kept in ``param_norms``). False when something is not finite (or a sum
         overflows), or when this pass cannot say (a dtype or tensor the fused pass refuses):
         the full check then looks at each value."""
+        if (len(grad_groups) == 1 and grad_groups[0] and not ranges and not summed
+                and not self.norms_mode):
+            found = self._one_device_finite(refs, grad_groups[0])
+            if found is not None:
+                return found
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # no graph for the reductions
         try:
@@ -488,6 +499,28 @@ class Screen:
         if rest < len(grads):
             parts.append(ops.group_norms(grads[rest:]))
         return torch.cat(parts)
+
+    def _one_device_finite(self, refs: list[Tensor], grads: list[Tensor]) -> bool | None:
+        """:meth:`_all_finite` for the usual model: one list of parameter gradients, screened
+        tensors of their device and dtype; None when that is not the case."""
+        head = grads[0]
+        dtype, device = head.dtype, head.device
+        flag = self._flags.get(device)
+        if flag is None or dtype in _HALF:
+            return None
+        for t in refs:
+            if t.dtype != dtype or t.device != device:
+                return None
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # no graph for the sums
+        try:
+            ok = _host.flag_nonfinite_(grads + [t.sum() for t in refs], flag)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        if ok and _host.to_host([flag])[0].item() == 0:
+            return True
+        self._reset_flags()
+        return False
 
     def _reset_flags(self) -> None:
         for flag in self._flags.values():
