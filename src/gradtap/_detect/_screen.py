@@ -403,9 +403,8 @@ class Screen:
         norms, then kept in ``param_norms``). False when something is not finite (or a sum
         overflows), or when this pass cannot say (a dtype or tensor the fused pass refuses):
         the full check then looks at each value."""
-        if (len(grad_groups) == 1 and grad_groups[0] and not ranges and not summed
-                and not self.norms_mode):
-            found = self._one_device_finite(refs, grad_groups[0])
+        if len(grad_groups) == 1 and grad_groups[0] and not ranges and not summed:
+            found = self._one_device_finite(refs, params, grad_groups[0])
             if found is not None:
                 return found
         grad_mode = torch.is_grad_enabled()
@@ -500,7 +499,8 @@ class Screen:
             parts.append(ops.group_norms(grads[rest:]))
         return torch.cat(parts)
 
-    def _one_device_finite(self, refs: list[Tensor], grads: list[Tensor]) -> bool | None:
+    def _one_device_finite(self, refs: list[Tensor], params: list[tuple[str, Tensor]],
+                           grads: list[Tensor]) -> bool | None:
         """:meth:`_all_finite` for the usual model: one list of parameter gradients, screened
         tensors of their device and dtype; None when that is not the case."""
         head = grads[0]
@@ -512,12 +512,21 @@ class Screen:
             if t.dtype != dtype or t.device != device:
                 return None
         grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # no graph for the sums
+        torch._C._set_grad_enabled(False)  # no graph for the reductions
         try:
-            ok = _host.flag_nonfinite_(grads + [t.sum() for t in refs], flag)
+            sums = [t.sum() for t in refs]
+            if self.norms_mode:
+                norms = self._grad_norms(grads)
+                ok = _host.flag_nonfinite_([norms, *sums], flag)
+                host = _host.to_host([flag, norms])
+            else:
+                ok = _host.flag_nonfinite_(grads + sums, flag)
+                host = _host.to_host([flag])
         finally:
             torch._C._set_grad_enabled(grad_mode)
-        if ok and _host.to_host([flag])[0].item() == 0:
+        if ok and host[0].item() == 0:
+            if self.norms_mode:
+                self.param_norms = (params, host[1].astype(np.float64))
             return True
         self._reset_flags()
         return False

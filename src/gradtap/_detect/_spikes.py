@@ -212,6 +212,7 @@ class ParamSpikes:
         self._values: np.ndarray | None = None  # this step's norms (the last check's), NaN: none
         self._clean = False  # every module has a finite norm this step, none flagged
         self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
+        self._none_flagged = True  # not self._flagged.any()
         # Per list of the screen's parameters: the positions of the watched ones (None: all),
         # their modules' indices, and which modules have a norm.
         # (positions, owners, present, whether every module is present)
@@ -261,7 +262,7 @@ class ParamSpikes:
         # The usual step: every module has a finite norm within its limit (inf until armed),
         # none flagged yet.
         if (complete and math.isfinite(values.sum()) and bool((values <= self._limit).all())
-                and not self._flagged.any()):
+                and self._none_flagged):
             self._clean = True
             return []
         if not complete:
@@ -274,6 +275,7 @@ class ParamSpikes:
         self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
         hit &= ~self._flagged
         self._flagged |= hit
+        self._none_flagged = not self._flagged.any()
         return [(int(i), self.names[i], "param_grad", float(values[i]), float(self._limit[i]))
                 for i in np.flatnonzero(hit)]
 
@@ -297,6 +299,7 @@ class ParamSpikes:
             self._count += 1
             return
         self._flagged = np.zeros(n, dtype=bool)
+        self._none_flagged = True
         use = np.isfinite(values) & ~flagged
         if not use.any():
             return
