@@ -14,7 +14,10 @@ A healthy step should cost little, so the screen keeps no records and walks no g
   state and the autocast state: what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
   pending forward and gradient reduction plus a finiteness flag for every parameter gradient
-  (one fused pass over the small ones, the in-backward sums of the large ones).
+  (one fused pass over the small ones, the in-backward sums of the large ones). A healthy
+  step reads one flag per device: one fused finiteness pass over the parameter gradients and
+  the sums of the screened tensors sets it; only when it is set does the full check look at
+  each value, to say which is not finite.
   ``det.check_loss(loss)`` adds the loss to that check. Without a backward (or when it
   reached no screened tensor: a loss on an intermediate only), the check runs at
   ``det.step()``, parameter gradients included.

@@ -179,8 +179,9 @@ class ParamSpikes:
     norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
 
     The screen, in its norms mode, reduces every parameter gradient to its L2 norm at its
-    check (one ``torch._foreach_norm`` per device and dtype, in place of its finiteness pass)
-    and reads them with its one host copy; :meth:`check` adds them up per module on the host.
+    check (one ``torch._foreach_norm`` per device and dtype; on CPU, gradients of one shape
+    stacked and reduced in one norm; in place of its finiteness pass) and reads them with
+    its one host copy; :meth:`check` adds them up per module on the host.
     :meth:`close_step` feeds the step's norms into the EWMAs, all
     modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
     its EWMA has ``warmup`` steps.
