@@ -8,8 +8,11 @@ a replay would run only after an anomaly, so never here), with ``det.check_loss(
 ``det.step()`` each step; the same with ``screen="modules"`` (every module's outputs and
 their gradients screened too); the same with ``replay=False`` (every call captured as it runs);
 the same with ``spike=10`` (the screen plus every module's parameter-gradient norm, read with
-the screen's host copy; no hook on any call); and the step inside
-``torch.autograd.detect_anomaly(check_nan=True)``. Variants are timed in interleaved rounds
+the screen's host copy; no hook on any call); the step inside
+``torch.autograd.detect_anomaly(check_nan=True)``; and two floors, the plain step plus only
+one fused finiteness pass over every parameter gradient (or one foreach L2 norm of them) and
+one host read, with no hook and no bookkeeping: what any screen of every parameter gradient
+(or any per-parameter spike check) pays at least with torch's kernels. Variants are timed in interleaved rounds
 by ``_harness.interleaved``, median per step; each ratio is the median over rounds of the
 variant's time over the plain step's in the same round (a paired comparison: drift between
 rounds on a noisy machine cancels). Each variant's hooks exist only while it runs.
@@ -104,6 +107,29 @@ def _anomaly(model: nn.Module, x: Tensor, y: Tensor, sgd: bool = False) -> Calla
     return step
 
 
+def _floor(model: nn.Module, x: Tensor, y: Tensor, sgd: bool = False,
+           norms: bool = False) -> Callable[[], None]:
+    """The plain step plus only what a screen of every parameter gradient cannot do without:
+    one fused finiteness pass over the gradients (GradScaler's kernel, inverse scale 1), or
+    with ``norms`` one foreach L2 norm of them, and one host read; no hook, no bookkeeping."""
+    opt_step = _optimizer_step(model, sgd)
+    params = [p for p in model.parameters() if p.requires_grad]
+    found, one = torch.zeros(()), torch.ones(())
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        grads = [p.grad for p in params]
+        if norms:
+            torch.stack(torch._foreach_norm(grads)).cpu().numpy()
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            found.cpu().numpy()
+        opt_step()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
 VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "plain": _plain,
     "detect": _detect,
@@ -112,6 +138,8 @@ VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "detect_calls": lambda model, x, y, sgd=False: _detect(model, x, y, replay=False, sgd=sgd),
     "detect_spike": lambda model, x, y, sgd=False: _detect(model, x, y, spike=10.0, sgd=sgd),
     "anomaly": _anomaly,
+    "floor": _floor,
+    "floor_norms": lambda model, x, y, sgd=False: _floor(model, x, y, sgd=sgd, norms=True),
 }
 
 #: The small deep MLP's label (trained with SGD in every variant).
@@ -204,11 +232,14 @@ def main(argv: Sequence[str] | None = None) -> str:
                      f"{inside * 1e6:.0f} us ({inside / plain:.1%})",
                      cell("detect_modules"), cell("detect_calls"), cell("detect_spike"),
                      cell("anomaly"), f"{share('detect')} / {share('detect_modules')} / "
-                     f"{share('detect_calls')} / {share('detect_spike')}"])
+                     f"{share('detect_calls')} / {share('detect_spike')}",
+                     cell("floor"), cell("floor_norms")])
     header = ["model", "plain step", "gt.detect", "inside gt.detect's screen per step",
               "gt.detect(screen='modules')",
               "gt.detect(replay=False)", "gt.detect(spike=10)", "detect_anomaly(check_nan=True)",
-              "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)"]
+              "overhead / detect_anomaly's (detect / modules / replay=False / spike=10)",
+              "floor: one fused finiteness pass + one read",
+              "floor: one foreach norm + one read"]
     table = markdown_table(header, rows)
     print(f"{machine()}; median of {rounds} "
           "interleaved rounds (steps per round in the plain column); each ratio is the median "

@@ -30,6 +30,7 @@ from gradtap._detect import (
     format_dump,
     inspect_main,
 )
+from gradtap._detect._screen import Screen
 from gradtap._detect._watch import WatchOptions
 from tests._models import _MODULE_HOOK_DICTS, assert_no_hooks
 
@@ -1316,3 +1317,73 @@ def test_nonfinite_flags_of_a_list_with_a_cast_member_keep_its_nan_bits():
     bits = _bits(half).clone()
     assert _host.nonfinite_flags([group])[0].item() == 1.0
     assert torch.equal(_bits(half), bits)
+
+
+class _Scale(nn.Module):
+    """``x * s`` with a 0-d parameter ``s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s
+
+
+@pytest.mark.parametrize("spike", [None, 10.0])
+def test_every_planted_step_is_found_and_the_steps_between_stay_quiet(spike, monkeypatch):
+    # The healthy step's check reads one kept flag: it must be reset after each anomaly, so
+    # that back-to-back anomalies are each found and the steps after them pass it again.
+    verdicts: list[tuple[int, bool]] = []
+    real = Screen._all_finite
+    monkeypatch.setattr(Screen, "_all_finite", lambda self, *args: verdicts.append(
+        (step_now[0], real(self, *args))) or verdicts[-1][1])
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())],
+                        nn.Linear(8, 2))
+    plan = {2: ("2", "param_grad"), 3: ("2", "param_grad"), 5: ("8", "forward"),
+            7: ("<loss>", "forward"), 8: ("6", "param_grad")}
+    step_now = [0]
+    net[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), math.nan)
+                              if plan.get(step_now[0], ("",))[0] == "2" else g)
+    net[6].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf)
+                                if step_now[0] == 8 else g)
+    net[8].register_forward_hook(lambda m, i, o: o.index_fill(1, torch.tensor([1]), math.inf)
+                                 if step_now[0] == 5 else o)
+    g = torch.Generator().manual_seed(0)
+    skips = []
+    with gt.detect(net, spike=spike, action="record") as det:
+        for step in range(10):
+            step_now[0] = step
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+            loss = F.cross_entropy(net(x), y)
+            if step == 7:
+                loss = loss * math.nan
+            det.check_loss(loss).backward()
+            skips.append(det.should_skip())
+            net.zero_grad()
+            det.step()
+    assert [(a.step, a.module_name, a.where) for a in det.anomalies] == [
+        (s, name, where) for s, (name, where) in plan.items()]
+    assert skips == [s in plan for s in range(10)]
+    # One check a step (at the end of its backward): the fused pass fails exactly where the
+    # oracle plants a fault.
+    assert verdicts == [(s, s not in plan) for s in range(10)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norms_mode_reads_each_parameter_gradient_norm(dtype):
+    # Three Linear(8, 8) (stacked by shape on CPU), a bias-free one, a 0-d parameter and a
+    # last layer of its own shape: every norm against a float64 norm of .grad.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _Scale(), nn.Linear(8, 8),
+                        nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    with gt.detect(net, spike=10.0) as det:
+        for _ in range(3):
+            net(torch.randn(5, 8, dtype=dtype)).square().sum().backward()
+            params, norms = det._screen.param_norms
+            got = {name: float(v) for (name, _), v in zip(params, norms, strict=True)}
+            expected = {name: float(p.grad.double().norm()) for name, p in net.named_parameters()}
+            assert got == pytest.approx(expected, rel=1e-5)
+            net.zero_grad()
+            det.step()

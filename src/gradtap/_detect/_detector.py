@@ -243,7 +243,8 @@ class Detector:
         finally:
             self._agreed = False
             self._held = []
-            self._spikes.close_step()
+            if self._watch is not None:
+                self._spikes.close_step()
             if self._param_spikes is not None:
                 self._param_spikes.close_step()
             self._skip = False
@@ -325,7 +326,10 @@ class Detector:
     def _screened_backward(self, backward: list[RootCall]) -> None:
         """End of a backward that reached a screened output: one check, a replay if bad."""
         assert self._screen is not None
-        if not any(c.reported for c in backward):  # else: consequences of a reported forward
+        for c in backward:
+            if c.reported:
+                break  # consequences of a reported forward
+        else:
             suspects = self._screen.check(backward=True)
             self._after_check(suspects, backward)
         self._emit()
@@ -451,6 +455,8 @@ class Detector:
     # -- emitting -----------------------------------------------------------------------------
 
     def _emit(self) -> None:
+        if not self._ready and not self._found and (self._watch is None or not self._watch.found):
+            return  # nothing found: the usual step
         found = self._ready + (self._watch.found if self._watch is not None else []) + self._found
         self._ready, self._found = [], []
         if self._watch is not None:

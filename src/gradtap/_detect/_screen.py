@@ -14,7 +14,10 @@ A healthy step should cost little, so the screen keeps no records and walks no g
   state and the autocast state: what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
   pending forward and gradient reduction plus a finiteness flag for every parameter gradient
-  (one fused pass over the small ones, the in-backward sums of the large ones).
+  (one fused pass over the small ones, the in-backward sums of the large ones). A healthy
+  step reads one flag per device: one fused finiteness pass over the parameter gradients and
+  the sums of the screened tensors sets it; only when it is set does the full check look at
+  each value, to say which is not finite.
   ``det.check_loss(loss)`` adds the loss to that check. Without a backward (or when it
   reached no screened tensor: a loss on an intermediate only), the check runs at
   ``det.step()``, parameter gradients included.
@@ -35,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from gradtap import _tensorops as ops
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
-from gradtap._tensorops.sharded import local
+from gradtap._tensorops.sharded import is_sharded, local
 from gradtap.capture import (
     HookSet,
     OncePerBackward,
@@ -52,11 +55,16 @@ __all__ = ["RootCall", "Screen", "Suspect"]
 #: Calls of the model kept (arguments, RNG state) per step for a replay; older calls of a
 #: step that runs more forwards than this without ``det.step()`` are not replayed.
 MAX_KEPT_CALLS = 64
+#: In norms mode on CPU, parameter gradients of one shape with at most this many elements each
+#: are stacked and reduced in one norm.
+STACKED = 1 << 14
 #: Tensors with at most this many elements are kept by reference until the check (one batched
 #: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
 SMALL = 1 << 16
 _HALF = (torch.float16, torch.bfloat16)
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+#: The autocast state of a call made with autocast off on every device.
+_NO_AUTOCAST = tuple((d, False, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
 class RootCall:
@@ -68,10 +76,14 @@ class RootCall:
     def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices]
-        self.autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                              for d in _AUTOCAST_DEVICES)
+        self.rng = torch.default_generator.get_state()  # torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices] if cuda_devices else []
+        self.autocast = _NO_AUTOCAST
+        for d in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(d):
+                self.autocast = tuple((e, torch.is_autocast_enabled(e),
+                                       torch.get_autocast_dtype(e)) for e in _AUTOCAST_DEVICES)
+                break
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
         self.reported = False  # an anomaly of its forward was reported: skip its backward
 
@@ -155,6 +167,18 @@ class Screen:
                 else:
                     groups.setdefault((p.device, p.dtype), []).append((name, p))
         self._param_groups = list(groups.values())
+        self._flags: dict[torch.device, Tensor] = {}  # the flags of the healthy step's check
+        # Norms mode on CPU: the one group's order and runs (see _norm_plan; () when none),
+        # and the gradients last listed in that order.
+        self._plan: tuple[list[tuple[str, Tensor]], list[Tensor],
+                          list[tuple[int, int, tuple[int, ...]]]] | tuple[()] | None = None
+        self._planned: list[Tensor] | None = None
+        # The usual model's fast path reads .grad as it is; a sharded one's goes through local().
+        self._one_group = ([p for _, p in self._param_groups[0]]
+                           if len(self._param_groups) == 1 and not self._large_params
+                           and not self._maybe_sparse
+                           and not any(is_sharded(p) for _, p in self._param_groups[0])
+                           else None)
         # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
         self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
         self.cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
@@ -191,18 +215,24 @@ class Screen:
 
     def _hook_gradient(self, t: Tensor, where: str, name: str, path: str,
                        call: RootCall | None) -> None:
-        handle = self.hooks.gradient(t, functools.partial(self._on_grad, where, name, path, call))
+        handle = self.hooks.gradient(t, self._on_grad, (where, name, path, call))
         if handle is not None:
             self._leaf_hooks.append(handle)
 
     def _before(self, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and not in_recomputation():
-            self._open.append(RootCall(args, kwargs, self.cuda))
-            for path, t in self._arguments(args, kwargs):
-                if t.requires_grad and _host.measurable(t):
-                    self._hook_gradient(t, "grad_input", "", path, None)
-        else:
+        if not torch.is_grad_enabled() or in_recomputation():
             self._open.append(None)
+            return
+        self._open.append(RootCall(args, kwargs, self.cuda))
+        if not kwargs:
+            for a in args:
+                if not isinstance(a, Tensor) or a.requires_grad:
+                    break
+            else:
+                return  # the usual call: tensors that need no gradient
+        for path, t in self._arguments(args, kwargs):
+            if t.requires_grad and _host.measurable(t):
+                self._hook_gradient(t, "grad_input", "", path, None)
 
     def _after(self, output: Any) -> None:
         call = self._open.pop() if self._open else None
@@ -218,15 +248,20 @@ class Screen:
                  g: Tensor) -> None:
         if self._end.arm():  # the first gradient of this backward
             self._backward = []
-            with torch.no_grad():
-                self._finite_at_start = {i: torch.isfinite(local(p.grad)).all().to(torch.float32)
-                                         for i, p in self._bad_params.items()
-                                         if p.grad is not None}
+            if self._bad_params:
+                with torch.no_grad():
+                    self._finite_at_start = {
+                        i: torch.isfinite(local(p.grad)).all().to(torch.float32)
+                        for i, p in self._bad_params.items() if p.grad is not None}
         if _host.measurable(g):
             self._grads.add(where, name, path, g)
         if call is not None:  # the model's own output: kept for a replay of this backward
-            if not any(c is call for c in self._backward):
-                self._backward.append(call)
+            backward = self._backward
+            for c in backward:
+                if c is call:
+                    break
+            else:
+                backward.append(call)
             old = call.grads.get(path)
             call.grads[path] = g if old is None else old + g
 
@@ -249,8 +284,10 @@ class Screen:
             if self.on_backward_end is not None:
                 self.on_backward_end(backward)
         finally:
-            self._grads = _Pending()
-            self._remove_leaf_hooks()
+            if self._grads.refs or self._grads.range_info:
+                self._grads = _Pending()
+            if self._leaf_hooks:
+                self._remove_leaf_hooks()
             for call in backward:
                 call.grads = {}
 
@@ -281,17 +318,23 @@ class Screen:
         params: list[tuple[str, Tensor]] = []
         grad_groups: list[list[Tensor]] = []
         summed: list[tuple[Tensor, Tensor]] = []
+        refs, ranges = fwd.refs, fwd.ranges
+        started = {}
         if backward:
             self.backward_checked = True
-            pending.append(self._grads)
+            running = self._grads
+            pending.append(running)
+            refs, ranges = refs + running.refs, ranges + running.ranges
             if not self.quiet_params:
                 params, grad_groups, summed = self._param_grads()
-        started = self._finite_at_start if backward else {}
+            started = self._finite_at_start
         self._finite_at_start = {}
         self.param_norms = None
-        refs = [t for part in pending for t in part.refs]
-        ranges = [t for part in pending for t in part.ranges]
         if not refs and not ranges and not params:
+            return []
+        if self._all_finite(refs, ranges, params, grad_groups, summed):  # the usual step
+            if params:
+                self._bad_params.clear()
             return []
         with torch.no_grad():
             # The one host copy: the screened tensors' norms, then one flag per group of
@@ -300,7 +343,7 @@ class Screen:
             # norms) instead of the flags.
             if self.norms_mode:
                 flags = []
-                vectors = [ops.group_norms(g) for g in grad_groups if g]
+                vectors = [self._grad_norms(g) for g in grad_groups if g]
             else:
                 flags = _host.nonfinite_flags(grad_groups)
                 vectors = []
@@ -373,11 +416,164 @@ class Screen:
         # In the order they were screened: calls as they finished, gradients as they arrived.
         return [s for _, _, s in sorted(found, key=lambda x: (x[0], x[1]))]
 
+    def _all_finite(self, refs: list[Tensor], ranges: list[Tensor],
+                    params: list[tuple[str, Tensor]], grad_groups: list[list[Tensor]],
+                    summed: list[tuple[Tensor, Tensor]]) -> bool:
+        """The healthy step's check: whether everything :meth:`check` reads is finite, from
+        one fused finiteness pass per device and dtype over the parameter gradients and the
+        small reductions (the screened tensors' sums, the large gradients' sums, the ranges)
+        and one host copy of a flag per device (in norms mode, with the parameter-gradient
+        norms, then kept in ``param_norms``). False when something is not finite (or a sum
+        overflows), or when this pass cannot say (a dtype or tensor the fused pass refuses):
+        the full check then looks at each value."""
+        if len(grad_groups) == 1 and grad_groups[0] and not ranges and not summed:
+            found = self._one_device_finite(refs, params, grad_groups[0])
+            if found is not None:
+                return found
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # no graph for the reductions
+        try:
+            lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+            vectors: list[Tensor] = []
+            if self.norms_mode:
+                vectors = [self._grad_norms(g) for g in grad_groups if g]
+            else:  # the gradients themselves, written back as they are by the fused pass
+                for group in grad_groups:
+                    if group:
+                        lists.setdefault((group[0].device, group[0].dtype), []).extend(group)
+            # Reductions made here, which the fused pass may write back too; a screened tensor
+            # is summed (it is not ours to write), in float32 at least.
+            owned: list[Tensor] = [*ranges, *(s for _, s in summed), *vectors]
+            owned += [t.sum() if t.dtype not in _HALF else t.sum(dtype=torch.float32)
+                      for t in refs]
+            for t in owned:
+                if t.dtype in _HALF:
+                    t = t.float()
+                key = (t.device, t.dtype)
+                same = lists.get(key)
+                if same is None:
+                    lists[key] = [t]
+                else:
+                    same.append(t)
+            flags = []
+            for (device, _), tensors in lists.items():
+                flag = self._flags.get(device)
+                if flag is None:  # kept: the fused pass only ever sets it (reset when read set)
+                    flag = self._flags[device] = torch.zeros((), dtype=torch.float32,
+                                                             device=device)
+                flags.append(flag)
+                if not _host.flag_nonfinite_(tensors, flag):
+                    self._reset_flags()
+                    return False
+            n_flags = len(flags)
+            if self.norms_mode:
+                flags += [*vectors, *(s.reshape(1) for _, s in summed)]
+            host = _host.to_host(flags)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        for h in host[:n_flags]:
+            if h.item() != 0:
+                self._reset_flags()
+                return False
+        if self.norms_mode and params:
+            got = host[n_flags:]
+            self.param_norms = (params, (got[0] if len(got) == 1 else np.concatenate(got)
+                                         ).astype(np.float64))
+        return True
+
+    def _norm_plan(self) -> tuple[list[tuple[str, Tensor]], list[Tensor],
+                                  list[tuple[int, int, tuple[int, ...]]]] | None:
+        """How norms mode reduces the one group of small CPU parameter gradients: the group
+        reordered so that parameters of one shape come together, and the ``(start, stop,
+        dims)`` of each run of two or more, whose gradients are stacked and reduced in one
+        norm (on CPU a foreach norm costs a kernel per tensor); the rest follow, reduced by
+        one foreach norm. None when not worth it (not on CPU, nothing to stack)."""
+        if self._plan is None:
+            group = self._param_groups[0]
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i, (_, p) in enumerate(group):
+                if p.device.type == "cpu" and 0 < p.dim() and p.numel() <= STACKED:
+                    by_shape.setdefault(tuple(p.shape), []).append(i)
+            runs = [idx for idx in by_shape.values() if len(idx) > 1]
+            order = [i for idx in runs for i in idx]
+            stacked = set(order)
+            order += [i for i in range(len(group)) if i not in stacked]
+            spans, at = [], 0
+            for idx in runs:
+                spans.append((at, at + len(idx), tuple(range(1, group[idx[0]][1].dim() + 1))))
+                at += len(idx)
+            named = [group[i] for i in order]
+            self._plan = (named, [p for _, p in named], spans) if spans else ()
+        return self._plan or None
+
+    def _grad_norms(self, grads: list[Tensor]) -> Tensor:
+        """The L2 norm of each of ``grads`` (one device and dtype), as one vector."""
+        plan = self._plan
+        if not plan or grads is not self._planned:
+            return ops.group_norms(grads)
+        self._planned = None
+        parts = []
+        low = grads[0].dtype in _HALF
+        for start, stop, dims in plan[2]:
+            parts.append(torch.linalg.vector_norm(torch.stack(grads[start:stop]), dim=dims,
+                                                  dtype=torch.float32 if low else None))
+        rest = plan[2][-1][1]
+        if rest < len(grads):
+            parts.append(ops.group_norms(grads[rest:]))
+        return torch.cat(parts)
+
+    def _one_device_finite(self, refs: list[Tensor], params: list[tuple[str, Tensor]],
+                           grads: list[Tensor]) -> bool | None:
+        """:meth:`_all_finite` for the usual model: one list of parameter gradients, screened
+        tensors of their device and dtype; None when that is not the case."""
+        head = grads[0]
+        dtype, device = head.dtype, head.device
+        flag = self._flags.get(device)
+        if flag is None or dtype in _HALF:
+            return None
+        for t in refs:
+            if t.dtype != dtype or t.device != device:
+                return None
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # no graph for the reductions
+        try:
+            sums = [t.sum() for t in refs]
+            if self.norms_mode:
+                norms = self._grad_norms(grads)
+                ok = _host.flag_nonfinite_([norms, *sums], flag)
+                host = _host.to_host([flag, norms])
+            else:
+                ok = _host.flag_nonfinite_(grads + sums, flag)
+                host = _host.to_host([flag])
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        if ok and host[0].item() == 0:
+            if self.norms_mode:
+                self.param_norms = (params, host[1].astype(np.float64))
+            return True
+        self._reset_flags()
+        return False
+
+    def _reset_flags(self) -> None:
+        for flag in self._flags.values():
+            flag.zero_()
+
     def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]],
                                     list[tuple[Tensor, Tensor]]]:
         """The parameters with a gradient to check, in the order of their values: those whose
         gradients are to be reduced, by device and dtype, then those whose gradient was summed
         in backward and is unchanged since, as ``(grad, sum)``."""
+        if self._one_group is not None:  # the usual model: every gradient there, one group
+            plan = self._norm_plan() if self.norms_mode else None
+            every: list[Any] = [p.grad for p in (self._one_group if plan is None else plan[1])]
+            for g in every:
+                if g is None:
+                    break
+            else:
+                if plan is None:
+                    return self._param_groups[0], [every], []
+                self._planned = every
+                return plan[0], [every], []
         params: list[tuple[str, Tensor]] = []
         groups: list[list[Tensor]] = []
         for group in self._param_groups:
@@ -410,11 +606,13 @@ class Screen:
 
     def new_step(self) -> None:
         """Forget this step's calls (``det.step()``)."""
-        self._sums = {}
+        if self._sums:
+            self._sums = {}
         self.calls = []
         self.quiet_params = False
         self.backward_checked = False
-        self._remove_leaf_hooks()
+        if self._leaf_hooks:
+            self._remove_leaf_hooks()
 
     def remove(self) -> None:
         self.hooks.remove()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -178,8 +179,9 @@ class ParamSpikes:
     norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
 
     The screen, in its norms mode, reduces every parameter gradient to its L2 norm at its
-    check (one ``torch._foreach_norm`` per device and dtype, in place of its finiteness pass)
-    and reads them with its one host copy; :meth:`check` adds them up per module on the host.
+    check (one ``torch._foreach_norm`` per device and dtype; on CPU, gradients of one shape
+    stacked and reduced in one norm; in place of its finiteness pass) and reads them with
+    its one host copy; :meth:`check` adds them up per module on the host.
     :meth:`close_step` feeds the step's norms into the EWMAs, all
     modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
     its EWMA has ``warmup`` steps.
@@ -202,12 +204,8 @@ class ParamSpikes:
             self.names.append(name)
         self._at = {name: i for i, name in enumerate(self.names)}
         n = len(self.names)
-        # The EWMA state as numpy arrays and torch views of the same memory (ops.ewma_update_).
-        self._mean_t = torch.zeros(n, dtype=torch.float64)
-        self._var_t = torch.zeros(n, dtype=torch.float64)
-        self._new_t = torch.zeros(n, dtype=torch.float64)
-        self._mean, self._var = self._mean_t.numpy(), self._var_t.numpy()
-        self._new = self._new_t.numpy()
+        self._mean = np.zeros(n)  # the EWMA state, float64
+        self._var = np.zeros(n)
         self._count = np.zeros(n, dtype=np.int64)
         self._armed = np.zeros(n, dtype=bool)  # count >= max(warmup, 1): checked for spikes
         self._all_armed = False
@@ -215,9 +213,13 @@ class ParamSpikes:
         self._values: np.ndarray | None = None  # this step's norms (the last check's), NaN: none
         self._clean = False  # every module has a finite norm this step, none flagged
         self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
+        self._none_flagged = True  # not self._flagged.any()
         # Per list of the screen's parameters: the positions of the watched ones (None: all),
         # their modules' indices, and which modules have a norm.
-        self._owners: dict[tuple[int, ...], tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
+        # (positions, owners, present, whether every module is present)
+        self._owners: dict[tuple[int, ...],
+                           tuple[np.ndarray | None, np.ndarray, np.ndarray, bool]] = {}
+        self._last: tuple[object, Any] = (None, None)  # the list of the last check, its entry
 
     def ewma(self, name: str) -> tuple[float, float] | None:
         """``(mean, var)`` of module ``name``'s parameter-gradient EWMA, None if it has none."""
@@ -239,21 +241,33 @@ class ParamSpikes:
         (one host copy, made by the screen); return the modules that spike and were not
         flagged yet this step, in module order, as ``(module index, name, "param_grad",
         value, limit)``."""
-        key = tuple([id(p) for _, p in params])
-        entry = self._owners.get(key)
         n = len(self.names)
-        if entry is None:
-            owners = np.array([self._index_of.get(id(p), -1) for _, p in params], dtype=np.int64)
-            mine = owners >= 0
-            entry = self._owners[key] = (None if mine.all() else np.flatnonzero(mine),
-                                         owners[mine], np.bincount(owners[mine], minlength=n) > 0)
-        positions, owners, present = entry
+        if params is self._last[0]:  # the screen's usual list, as at the last check
+            entry = self._last[1]
+        else:
+            key = tuple([id(p) for _, p in params])
+            entry = self._owners.get(key)
+            if entry is None:
+                owners = np.array([self._index_of.get(id(p), -1) for _, p in params],
+                                  dtype=np.int64)
+                mine = owners >= 0
+                present = np.bincount(owners[mine], minlength=n) > 0
+                entry = self._owners[key] = (None if mine.all() else np.flatnonzero(mine),
+                                             owners[mine], present, bool(present.all()))
+            self._last = (params, entry)
+        positions, owners, present, complete = entry
         if positions is not None:
             norms = norms[positions]
         values = np.sqrt(np.bincount(owners, weights=norms * norms, minlength=n))
-        if not present.all():
-            values[~present] = np.nan
         self._values = values
+        # The usual step: every module has a finite norm within its limit (inf until armed),
+        # none flagged yet.
+        if (complete and math.isfinite(values.sum()) and bool((values <= self._limit).all())
+                and self._none_flagged):
+            self._clean = True
+            return []
+        if not complete:
+            values[~present] = np.nan
         hit = values > self._limit  # False for NaN and for modules not armed yet
         if not hit.any() and np.isfinite(values[present]).all():
             self._clean = not self._flagged.any() and bool(present.all())
@@ -262,6 +276,7 @@ class ParamSpikes:
         self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
         hit &= ~self._flagged
         self._flagged |= hit
+        self._none_flagged = not self._flagged.any()
         return [(int(i), self.names[i], "param_grad", float(values[i]), float(self._limit[i]))
                 for i in np.flatnonzero(hit)]
 
@@ -273,12 +288,19 @@ class ParamSpikes:
         if values is None:
             return
         if clean and self._all_armed:  # the usual step: every norm, update in place
-            self._new[:] = values
-            ops.ewma_update_(self._mean_t, self._var_t, self._new_t, self.beta)
-            np.multiply(self._mean, self.spike, out=self._limit)
+            # ops.ewma_update_'s formula, on the host arrays (a few small numpy operations
+            # cost less than torch's dispatch here).
+            m, v = self._mean, self._var
+            delta = values - m
+            step = (1.0 - self.beta) * delta
+            m += step
+            v += step * delta
+            v *= self.beta
+            np.multiply(m, self.spike, out=self._limit)
             self._count += 1
             return
         self._flagged = np.zeros(n, dtype=bool)
+        self._none_flagged = True
         use = np.isfinite(values) & ~flagged
         if not use.any():
             return

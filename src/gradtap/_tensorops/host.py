@@ -108,6 +108,8 @@ def to_host(parts: Sequence[Tensor], *, views: bool = True) -> list[np.ndarray]:
         >>> [a.tolist() for a in to_host([torch.ones(2), torch.zeros(1, dtype=torch.float64)])]
         [[1.0, 1.0], [0.0]]
     """
+    if views and all(p.device.type == "cpu" and p.dtype != torch.bfloat16 for p in parts):
+        return [p.detach().numpy() for p in parts]  # what HostCopy gives, without its bookkeeping
     copy = HostCopy(views=views)
     handles = [copy.add(p) for p in parts]
     copy.run()

@@ -167,28 +167,30 @@ class HookSet:
 
         self._handles.append(module.register_forward_hook(forward_hook, always_call=always))
 
-    def gradient(self, t: Tensor, fn: Callable[[Tensor], None]) -> RemovableHandle | None:
-        """Run ``fn(grad)`` with the gradient w.r.t. ``t`` as it is now, in each backward that
-        computes it. On a non-leaf the hook lives as long as ``t``'s graph and ``None`` is
-        returned. A leaf outlives any graph (an input tensor reused every step), so its hook's
-        handle is returned: the caller removes it when the backward it waits for is over."""
+    def gradient(self, t: Tensor, fn: Callable[..., None],
+                 args: tuple = ()) -> RemovableHandle | None:
+        """Run ``fn(*args, grad)`` with the gradient w.r.t. ``t`` as it is now, in each
+        backward that computes it. On a non-leaf the hook lives as long as ``t``'s graph and
+        ``None`` is returned. A leaf outlives any graph (an input tensor reused every step), so
+        its hook's handle is returned: the caller removes it when the backward it waits for is
+        over."""
 
         node, nr = t.grad_fn, t.output_nr
         if node is None:  # a leaf: its own hook (slower, but leaves are rare here)
 
             def leaf_hook(g: Tensor) -> None:
                 if self._live():
-                    fn(g)
+                    fn(*args, g)
 
             return t.register_hook(leaf_hook)
 
         # A pre-hook on the node that made t (what Tensor.register_hook installs too, minus
         # the Python bookkeeping, which costs more than the rest of a light hook).
         def prehook(grad_outputs: tuple) -> None:
-            if self._live():
+            if self.enabled and (self.sees_replays or not replay_running()):  # self._live()
                 g = grad_outputs[nr]
                 if g is not None:
-                    fn(g)
+                    fn(*args, g)
 
         node.register_prehook(prehook)
         return None
