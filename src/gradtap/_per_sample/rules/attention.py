@@ -62,6 +62,18 @@ def _same(a: Tensor, b: Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
+def _spans(xs: list[Tensor]) -> list[list[int]]:
+    """Runs of consecutive query/key/value inputs that are the same tensor (self-attention:
+    one run ``[0, 1, 2]``), each projected by one matrix product."""
+    spans: list[list[int]] = [[0]]
+    for j in (1, 2):
+        if _same(xs[j], xs[spans[-1][-1]]):
+            spans[-1].append(j)
+        else:
+            spans.append([j])
+    return spans
+
+
 class _Group:
     """Projections (of ``q``, ``k``, ``v``: ``blocks``) that read one input ``x`` ``[N, L, F]``."""
 
@@ -96,12 +108,7 @@ def _groups(mha: nn.Module, xs: list[Tensor]) -> list[_Group]:
         names = ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
         return [_Group(names[j], xs[j], [j], getattr(module, names[j]),
                        None if bias is None else bias[j * e:(j + 1) * e]) for j in range(3)]
-    spans: list[list[int]] = [[0]]
-    for j in (1, 2):
-        if _same(xs[j], xs[spans[-1][-1]]):
-            spans[-1].append(j)
-        else:
-            spans.append([j])
+    spans = _spans(xs)
     weight = module.in_proj_weight
     assert weight is not None  # _qkv_same_embed_dim
     return [_Group("in_proj_weight", xs[span[0]], span,
@@ -269,13 +276,7 @@ def own_forward_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]
     if mha._qkv_same_embed_dim:
         assert mha.in_proj_weight is not None
         weight = call.detached("in_proj_weight", mha.in_proj_weight)
-        spans: list[list[int]] = [[0]]
-        for j in (1, 2):
-            if _same(xs[j], xs[spans[-1][-1]]):
-                spans[-1].append(j)
-            else:
-                spans.append([j])
-        for span in spans:
+        for span in _spans(xs):
             rows = slice(span[0] * e, (span[-1] + 1) * e)
             proj = F.linear(xs[span[0]], weight[rows], None if bias is None else bias[rows])
             call.keep(f"in_proj_weight:{span[0]}", xs[span[0]])
