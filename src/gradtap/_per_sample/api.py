@@ -650,13 +650,15 @@ class PerSample:
                         for q in grads]
                 sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
-                    rows[q] = (a, self._increments.get(q, torch.zeros_like(a)),
+                    inc = self._increments.get(q)
+                    rows[q] = (a, torch.zeros_like(a) if inc is None else inc,
                                self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
                 pg = self._step_pg.get(q)
+                inc = self._increments.get(q)
                 if pg is None:
-                    pg = torch.zeros_like(self._params[q])
-                rows[q] = (pg, self._increments.get(q, torch.zeros_like(pg)), None)
+                    pg = torch.zeros_like(self._params[q] if inc is None else inc)
+                rows[q] = (pg, torch.zeros_like(pg) if inc is None else inc, None)
         return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")
