@@ -36,13 +36,17 @@ class HostCopy:
     def __init__(self, *, views: bool = False) -> None:
         self.views = views
         self._items: list[Tensor] = []
+        self._owned: set[int] = set()
         self._out: list[np.ndarray] = []
         #: device-to-host transfers made so far (CPU tensors need none)
         self.transfers = 0
 
-    def add(self, t: Tensor) -> int:
-        """Queue ``t`` (any float or int dtype); return its handle."""
+    def add(self, t: Tensor, *, owned: bool = False) -> int:
+        """Queue ``t`` (any float or int dtype); return its handle. ``owned``: ``t`` is a
+        fresh tensor nobody else holds, so a CPU one may be handed out without a copy."""
         self._items.append(t.detach())
+        if owned:
+            self._owned.add(len(self._items) - 1)
         return len(self._items) - 1
 
     def add_rows(self, groups: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Callable[[], np.ndarray]:
@@ -80,7 +84,7 @@ class HostCopy:
                 continue
             parts = [self._items[i].reshape(-1).to(torch.float64) for i in idx]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if device.type == "cpu" and len(parts) == 1:
+            if device.type == "cpu" and len(parts) == 1 and idx[0] not in self._owned:
                 flat = flat.clone()  # never hand out numpy views of a caller's tensor
             if device.type != "cpu":
                 self.transfers += 1
@@ -92,6 +96,7 @@ class HostCopy:
                 offset += n
         self._out = out
         self._items = []
+        self._owned = set()
 
     def get(self, handle: int) -> np.ndarray:
         """The host copy of the tensor behind ``handle`` (after :meth:`run`)."""
