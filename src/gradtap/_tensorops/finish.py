@@ -94,12 +94,15 @@ def complete_fields(
         front next step.
     """
     m = Moments.coerce(fields).copy()
-    later = HostCopy()
+    later: HostCopy | None = None
     lazy_nf = None
     if needs.lazy_nonfinite:
-        flagged = np.flatnonzero(~np.isfinite(m["max"]) | ~np.isfinite(m["negmin"]))
+        # max + negmin is finite exactly when both are (NaN and Inf make it NaN or Inf).
+        with np.errstate(all="ignore"):
+            flagged = np.flatnonzero(~np.isfinite(m["max"] + m["negmin"]))
         m.nonfinite = np.zeros(len(count))
         if len(flagged):
+            later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
     unreliable = unreliable_m2(count, m) if needs.std else np.zeros(0, dtype=np.int64)
@@ -110,10 +113,12 @@ def complete_fields(
     if len(missing):
         # Looked up on the module at call time, like every caller of centered_moments.
         groups = _moments.centered_moments([tensors[int(i)] for i in missing], scratch=scratch)
+        later = later or HostCopy()
         gather = host_moments(groups, len(missing), later)
-    if lazy_nf is not None or gather is not None:
+    if later is not None:
         later.run()  # only steps with NaN/Inf or a dominant mean pay for this transfer
     if lazy_nf is not None:
+        assert later is not None
         m["nonfinite"][lazy_nf[0]] = later.get(lazy_nf[1])
     if gather is not None:
         extra = gather()
@@ -174,10 +179,10 @@ def finish_stats(
         {'mean': [1.0], 'std': [1.0]}
     """
     m = Moments.coerce(fields)
-    n = count.astype(np.float64)
+    n = np.asarray(count, dtype=np.float64)
     out: dict[str, np.ndarray] = {}
+    nan: Any = None
     with np.errstate(all="ignore"):
-        nan = (np.isnan(m["max"]) | np.isnan(m["negmin"])) if m.max is not None else np.False_
         for stat in stats:
             if stat == "mean":
                 out[stat] = m["sum"] / n
@@ -188,12 +193,12 @@ def finish_stats(
                 out[stat] = np.sqrt(m2 / n)
             elif stat == "norm":
                 out[stat] = np.sqrt(m["sumsq"])
-            elif stat == "absmax":
-                out[stat] = np.where(nan, np.nan, np.maximum(m["max"], m["negmin"]))
-            elif stat == "max":
-                out[stat] = np.where(nan, np.nan, m["max"])
-            elif stat == "min":
-                out[stat] = np.where(nan, np.nan, -m["negmin"])
+            elif stat == "absmax":  # np.maximum propagates NaN from either side
+                out[stat] = np.maximum(m["max"], m["negmin"])
+            elif stat in ("max", "min"):
+                if nan is None:
+                    nan = np.isnan(m["max"]) | np.isnan(m["negmin"])
+                out[stat] = np.where(nan, np.nan, m["max"] if stat == "max" else -m["negmin"])
             elif stat == "nonfinite":
                 out[stat] = m["nonfinite"]
             elif stat == "zero_frac":

@@ -379,6 +379,9 @@ class _Layout:
             if getattr(needs, f):
                 self.slices[f], pos = slice(pos, pos + k), pos + k
         self.size = pos
+        # positions of the plain fields, one row per field [F, k]: one take on the host
+        self.take = np.array([np.arange(sl.start, sl.stop) for sl in self.slices.values()],
+                             dtype=np.int64).reshape(len(self.slices), k)
         self._device_index: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def launch(self, ts: Sequence[Tensor], acc: torch.dtype) -> Tensor:
@@ -397,10 +400,13 @@ class _Layout:
                 if not q:
                     short.append(t)
                     continue
-                flat = t.reshape(-1)
-                rows.append(torch.linalg.vector_norm(flat[: q * BLOCK].view(q, BLOCK), dim=1, **kw))
+                if t.is_contiguous():  # rows of BLOCK elements, one view
+                    blocks = t.as_strided((q, BLOCK), (BLOCK, 1))
+                else:
+                    blocks = t.reshape(-1)[: q * BLOCK].view(q, BLOCK)
+                rows.append(torch.linalg.vector_norm(blocks, dim=1, **kw))
                 if s:
-                    short.append(flat[q * BLOCK:])
+                    short.append(t.reshape(-1)[q * BLOCK:])
             if short:
                 scalars += torch._foreach_norm(short, 2, **kw)
         if needs.minmax:
@@ -446,19 +452,12 @@ class _Layout:
 
     def host_fields(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The fields of a :meth:`launch` buffer copied to the host, as float64 arrays."""
-        sl = self.slices
-        out: dict[str, np.ndarray] = {}
-        if "sum" in sl:
-            out["sum"] = flat[sl["sum"]]
+        out = dict(zip(self.slices, flat[self.take]))
+        if "min" in out:
+            out["negmin"] = -out.pop("min")
         if self.needs.sumsq:
             pieces = flat[self.sq_pos]
             out["sumsq"] = np.bincount(self.sq_index, weights=pieces * pieces, minlength=self.k)
-        if "max" in sl:
-            out["max"] = flat[sl["max"]]
-            out["negmin"] = -flat[sl["min"]]
-        for f in ("nonfinite", "nonzero"):
-            if f in sl:
-                out[f] = flat[sl[f]]
         return out
 
 
