@@ -63,7 +63,10 @@ def unreliable_m2(count: np.ndarray, fields: Fields) -> np.ndarray:
     m = Moments.coerce(fields)
     s, q = m["sum"], m["sumsq"]
     # Written without division: Inf and NaN rows compare False and raise no warning.
-    return np.flatnonzero((count > 1) & (s * s > _EXACT_SHARE * q * count))
+    share = s * s > q * (_EXACT_SHARE * count)
+    if not share.any():
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero((count > 1) & share)
 
 
 def complete_fields(
@@ -99,9 +102,10 @@ def complete_fields(
     if needs.lazy_nonfinite:
         # max + negmin is finite exactly when both are (NaN and Inf make it NaN or Inf).
         with np.errstate(all="ignore"):
-            flagged = np.flatnonzero(~np.isfinite(m["max"] + m["negmin"]))
+            finite = np.isfinite(m["max"] + m["negmin"])
         m.nonfinite = np.zeros(len(count))
-        if len(flagged):
+        if not finite.all():
+            flagged = np.flatnonzero(~finite)
             later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
