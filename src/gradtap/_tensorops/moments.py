@@ -484,7 +484,7 @@ class MomentPlan:
         >>> copy = HostCopy()
         >>> get = plan.queue(ts, copy)
         >>> copy.run()
-        >>> {f: v.tolist() for f, v in get().items()}
+        >>> {f: v.round(5).tolist() for f, v in get().items()}
         {'sum': [3.0, 6.0], 'sumsq': [3.0, 14.0]}
     """
 
