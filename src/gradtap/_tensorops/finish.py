@@ -96,16 +96,16 @@ def complete_fields(
         ``(refined moments, unreliable rows)``; the latter are worth computing exactly up
         front next step.
     """
-    m = Moments.coerce(fields).copy()
+    m = Moments.coerce(fields)
+    if m is fields:  # coerce made a new one from a mapping; a Moments is the caller's
+        m = m.copy()
     later: HostCopy | None = None
     lazy_nf = None
     if needs.lazy_nonfinite:
-        # max + negmin is finite exactly when both are (NaN and Inf make it NaN or Inf).
-        with np.errstate(all="ignore"):
-            finite = np.isfinite(m["max"] + m["negmin"])
         m.nonfinite = np.zeros(len(count))
-        if not finite.all():
-            flagged = np.flatnonzero(~finite)
+        finite_max, finite_min = np.isfinite(m["max"]), np.isfinite(m["negmin"])
+        if not (finite_max.all() and finite_min.all()):
+            flagged = np.flatnonzero(~(finite_max & finite_min))
             later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
