@@ -509,9 +509,10 @@ class MomentPlan:
         """Launch the kernels over ``tensors`` and queue their buffers on ``copy``. Returns a
         function that, after ``copy.run()``, gives each field as a float64 array [n]."""
         handles = []
-        for idx, acc, layout in self.groups:
-            ts = [tensors[i].detach() for i in idx]
-            handles.append(copy.add(layout.launch(ts, acc), owned=True))
+        with torch.no_grad():  # as detached, without a detach per tensor
+            for idx, acc, layout in self.groups:
+                ts = tensors if self._in_order else [tensors[i] for i in idx]
+                handles.append(copy.add(layout.launch(ts, acc), owned=True))
         if self._in_order:
             layout, h = self.groups[0][2], handles[0]
             return lambda: layout.host_fields(copy.get(h))
