@@ -105,7 +105,8 @@ class StepRows:
         ids = self._table.layout(kind, names, list(columns))
         self._layouts.append(self._table.stat_major(ids, len(columns)))
         values = list(columns.values())
-        self._values.append(np.concatenate(values) if len(values) > 1 else values[0])
+        # a new array: values() may hand it out as the step's values
+        self._values.append(np.concatenate(values) if len(values) > 1 else values[0].copy())
 
     def add_hists(self, kind: str, names: Sequence[str], counts: np.ndarray) -> None:
         """Histogram counts [len(names), B] of one kind."""
@@ -117,6 +118,8 @@ class StepRows:
 
     def values(self) -> np.ndarray:
         """Every value of the step [R]."""
+        if len(self._values) == 1:
+            return self._values[0]
         return np.concatenate(self._values) if self._values else np.zeros(0)
 
 

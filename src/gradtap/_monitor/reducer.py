@@ -35,6 +35,11 @@ __all__ = ["Part", "StepReducer"]
 Part = tuple[list[str], np.ndarray, list[tuple[list[int], Moments[Tensor]]]]
 
 
+#: The element counts of a job without rows (shared, never written to).
+_NO_ROWS = np.zeros(0)
+_NO_ROWS.setflags(write=False)
+
+
 class _Job:
     """The tensors of one kind at one step, queued for the single host copy."""
 
@@ -45,7 +50,7 @@ class _Job:
         self.kind = kind
         self.names = names
         self.tensors: list[Tensor] = []
-        self.count = np.zeros(0)
+        self.count = _NO_ROWS
         self.gather: Callable[[], Moments[np.ndarray] | dict[str, np.ndarray]] | None = None
         self.hist: Callable[[], np.ndarray] | None = None  # histograms of a plan's tensors
         self.group: np.ndarray | None = None  # parts -> names, when parts are combined

@@ -73,7 +73,7 @@ class HostCopy:
     def run(self) -> None:
         """Copy everything queued to the host (one transfer per device)."""
         items = self._items
-        if len(items) == 1 and 0 in self._owned and items[0].device.type == "cpu" \
+        if len(items) == 1 and 0 in self._owned and items[0].is_cpu \
                 and items[0].dtype == torch.float64 and not self.views:
             # the usual step: one fresh float64 buffer of the step's statistics on the CPU
             self._out = [items[0].numpy()]
