@@ -8,6 +8,7 @@ update (:func:`combine_parts`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -102,10 +103,12 @@ def complete_fields(
     later: HostCopy | None = None
     lazy_nf = None
     if needs.lazy_nonfinite:
-        m.nonfinite = np.zeros(len(count))
-        finite_max, finite_min = np.isfinite(m["max"]), np.isfinite(m["negmin"])
-        if not (finite_max.all() and finite_min.all()):
-            flagged = np.flatnonzero(~(finite_max & finite_min))
+        m.nonfinite = _zeros(len(count))
+        # max(max, -min) is finite exactly when both are: NaN and Inf reach it either way
+        finite = np.isfinite(np.maximum(m["max"], m["negmin"]))
+        if not finite.all():
+            m.nonfinite = np.zeros(len(count))
+            flagged = np.flatnonzero(~finite)
             later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
@@ -129,6 +132,14 @@ def complete_fields(
         rows = np.concatenate([rows, missing])
         ef = extra if ef is None else Moments.cat([ef, extra])
     return refine_fields(count, m, (rows, ef) if len(rows) and ef is not None else None), unreliable
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> np.ndarray:
+    """A shared, read-only float64 array of ``n`` zeros."""
+    out = np.zeros(n)
+    out.setflags(write=False)
+    return out
 
 
 def combine_parts(
