@@ -210,3 +210,62 @@ def test_host_copy_one_transfer_per_device_on_gpu():
     assert [copy.get(h).tolist() for h in handles[:2]] == [[0.0] * 3, [1.0] * 3]
     views = ops.to_host([torch.arange(3.0, device="cuda")])
     assert views[0].dtype == np.float64 and views[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def _plan_fields(plan: ops.MomentPlan, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    copy = ops.HostCopy()
+    gather = plan.queue(tensors, copy)
+    copy.run()
+    return gather()
+
+
+def test_moment_plan_reads_every_field_like_the_per_tensor_loop_step_after_step():
+    """A plan made once gives, for new values of the same layout, the fields of the plain
+    per-tensor loop: long CPU tensors with and without a tail (blocked norms), a
+    non-contiguous one, mixed dtypes (so rows come back from several groups), NaN and Inf."""
+    g = torch.Generator().manual_seed(0)
+
+    def draw() -> list[torch.Tensor]:
+        ts = [torch.randn(3000, generator=g) + 5.0,
+              torch.randn(2048, generator=g, dtype=torch.float64),
+              torch.randn(7, 300, generator=g).t(), torch.randn(5, generator=g).to(torch.bfloat16),
+              torch.randn(1024, generator=g)]
+        ts[2][0, 1] = float("nan")
+        ts[4][3] = float("-inf")
+        return ts
+
+    needs = ops.needs_for(ALL_STATS, exact_nonfinite=True)
+    first = draw()
+    plan = ops.MomentPlan(first, needs)
+    assert len(plan.groups) == 3
+    for ts in (first, draw()):
+        assert ops.MomentPlan.signature(ts) == ops.MomentPlan.signature(first)
+        got = _plan_fields(plan, ts)
+        want = host(ops.tensor_moments(ts, needs, batched=False), len(ts))
+        assert sorted(got) == sorted(want.keys())
+        for f in got:
+            np.testing.assert_allclose(got[f], want[f], rtol=2e-6, err_msg=f)
+            assert got[f].dtype == np.float64
+        np.testing.assert_array_equal(got["nonfinite"], [0, 0, 1, 0, 1])
+        np.testing.assert_array_equal(plan.count, [t.numel() for t in ts])
+
+
+def test_moment_plan_counts_stay_exact_above_float32_integers():
+    """Counts go to the host in float64: 2**24 + 1 is not rounded as float32 would."""
+    t = torch.ones(2**24 + 1)
+    got = _plan_fields(ops.MomentPlan([t], ops.needs_for(["zero_frac", "mean"])), [t])
+    assert got["nonzero"].tolist() == [2**24 + 1]
+
+
+def test_host_copy_hands_out_an_owned_buffer_without_copying_it():
+    owned, theirs = torch.arange(3.0, dtype=torch.float64), torch.arange(3.0, dtype=torch.float64)
+    copy = ops.HostCopy()
+    h = copy.add(owned, owned=True)
+    copy.run()
+    owned[0] = 7.0
+    assert copy.get(h)[0] == 7.0  # a view: nothing was copied
+    copy = ops.HostCopy()
+    h = copy.add(theirs)
+    copy.run()
+    theirs[0] = 7.0
+    assert copy.get(h)[0] == 0.0  # the caller's tensor is copied

@@ -47,6 +47,7 @@ class SeriesTable:
         self._new: list[tuple[int, str, str, str]] = []
         self._layouts: dict[tuple[str, tuple[str, ...], tuple[str, ...]], np.ndarray] = {}
         self._concat: dict[tuple[int, ...], np.ndarray] = {}
+        self._by_stat: dict[int, np.ndarray] = {}
 
     def layout(self, kind: str, names: Sequence[str], stats: Sequence[str]) -> np.ndarray:
         """Series ids [len(names) * len(stats)] of a block, name-major; new series are noted."""
@@ -65,6 +66,13 @@ class SeriesTable:
                     out.append(i)
             ids = self._layouts[key] = np.array(out, dtype=np.int64)
         return ids
+
+    def stat_major(self, ids: np.ndarray, n_stats: int) -> np.ndarray:
+        """The ids of a :meth:`layout` block in stat-major order (cached)."""
+        out = self._by_stat.get(id(ids))
+        if out is None:
+            out = self._by_stat[id(ids)] = np.ascontiguousarray(ids.reshape(-1, n_stats).T).reshape(-1)
+        return out
 
     def concat(self, layouts: Sequence[np.ndarray]) -> np.ndarray:
         """The ids of a step made of ``layouts`` (arrays from :meth:`layout`), cached."""
@@ -94,8 +102,11 @@ class StepRows:
         """One block: ``columns[stat]`` holds one value per name."""
         if not columns:
             return
-        self._layouts.append(self._table.layout(kind, names, list(columns)))
-        self._values.append(np.stack(list(columns.values()), axis=1).reshape(-1))
+        ids = self._table.layout(kind, names, list(columns))
+        self._layouts.append(self._table.stat_major(ids, len(columns)))
+        values = list(columns.values())
+        # a new array: values() may hand it out as the step's values
+        self._values.append(np.concatenate(values) if len(values) > 1 else values[0].copy())
 
     def add_hists(self, kind: str, names: Sequence[str], counts: np.ndarray) -> None:
         """Histogram counts [len(names), B] of one kind."""
@@ -107,6 +118,8 @@ class StepRows:
 
     def values(self) -> np.ndarray:
         """Every value of the step [R]."""
+        if len(self._values) == 1:
+            return self._values[0]
         return np.concatenate(self._values) if self._values else np.zeros(0)
 
 

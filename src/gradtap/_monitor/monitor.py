@@ -439,16 +439,14 @@ class Monitor:
         if self._amp is not None:
             grads = self._unscale(grads)
             amp = self._queue_amp(grads, copy, counts if sharded else None)
-        device = next((distributed.local_tensor(p).device for _, p in self._params),
-                      torch.device("cpu"))
         if "param_grad" in self.kinds:
             if self.local_grads:
                 names = [n for n, p in self._params if p.requires_grad]
                 present = [n for n in names if n in self._local]
                 jobs.append(red.local("param_grad", names, present,
-                                      [self._local[n] for n in present], device))
+                                      [self._local[n] for n in present], self._device))
             elif sharded:
-                jobs.append(_shard_job(red, "param_grad", grads, counts, device))
+                jobs.append(_shard_job(red, "param_grad", grads, counts, self._device))
             elif grads:
                 jobs.append(red.tensors("param_grad", list(grads), list(grads.values()), copy))
         if "grad_output" in self.kinds and self._pending:
@@ -461,7 +459,7 @@ class Monitor:
             params = list(local.items())
         if "param" in self.kinds and params:
             if sharded:
-                jobs.append(_shard_job(red, "param", dict(params), pcounts, device))
+                jobs.append(_shard_job(red, "param", dict(params), pcounts, self._device))
             else:
                 jobs.append(red.tensors("param", [n for n, _ in params],
                                         [p for _, p in params], copy))
@@ -470,7 +468,8 @@ class Monitor:
         if update is not None:
             names, cur, diffs = update
             if sharded:
-                jobs.append(_shard_job(red, "update", dict(zip(names, diffs)), pcounts, device))
+                jobs.append(_shard_job(red, "update", dict(zip(names, diffs)), pcounts,
+                                       self._device))
                 ratio = self._snapshots.queue_ratio(cur, diffs, copy, red.reduction,
                                                     [pcounts[n] for n in names])
             else:
@@ -500,6 +499,12 @@ class Monitor:
             rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
                                                    "nonfinite": amp[1]().reshape(1)})
         self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
+
+    @property
+    def _device(self) -> torch.device:
+        """The device of the first selected parameter (CPU without any)."""
+        return next((distributed.local_tensor(p).device for _, p in self._params),
+                    torch.device("cpu"))
 
     def _check_not_replaced(self) -> None:
         """Raise when the model no longer holds the selected parameters (replaced after the

@@ -35,17 +35,24 @@ __all__ = ["Part", "StepReducer"]
 Part = tuple[list[str], np.ndarray, list[tuple[list[int], Moments[Tensor]]]]
 
 
+#: The element counts of a job without rows (shared, never written to).
+_NO_ROWS = np.zeros(0)
+_NO_ROWS.setflags(write=False)
+
+
 class _Job:
     """The tensors of one kind at one step, queued for the single host copy."""
 
-    __slots__ = ("kind", "names", "tensors", "count", "gather", "group", "exact", "reduced")
+    __slots__ = ("kind", "names", "tensors", "count", "gather", "hist", "group", "exact",
+                 "reduced")
 
     def __init__(self, kind: str, names: list[str]) -> None:
         self.kind = kind
         self.names = names
         self.tensors: list[Tensor] = []
-        self.count = np.zeros(0)
-        self.gather: Callable[[], Moments[np.ndarray]] | None = None
+        self.count = _NO_ROWS
+        self.gather: Callable[[], Moments[np.ndarray] | dict[str, np.ndarray]] | None = None
+        self.hist: Callable[[], np.ndarray] | None = None  # histograms of a plan's tensors
         self.group: np.ndarray | None = None  # parts -> names, when parts are combined
         # (rows, gather) of two-pass m2 queued up front
         self.exact: tuple[np.ndarray, Callable[[], Moments[np.ndarray]]] | None = None
@@ -73,6 +80,7 @@ class StepReducer:
         self._needs_exact = ops.needs_for(self.stats, exact_nonfinite=True)
         self._scratch = ops.Scratch()
         self._exact_names: dict[str, set[str]] = {}
+        self._plans: dict[str, tuple[tuple[Any, ...], ops.MomentPlan]] = {}
         self._reduction: distributed.Reduction | None = None
 
     # -- the step's reduction across ranks ---------------------------------------------------
@@ -104,12 +112,23 @@ class StepReducer:
         return keys, count, groups
 
     def tensors(self, kind: str, names: list[str], tensors: list[Tensor], copy: HostCopy) -> _Job:
-        """A job over tensors that stay alive until :meth:`finish`."""
+        """A job over tensors that stay alive until :meth:`finish`.
+
+        The kind's :class:`~gradtap._tensorops.MomentPlan` is kept from step to step while its
+        tensors keep their devices, dtypes and sizes."""
         job = _Job(kind, names)
         job.tensors = tensors
-        job.count = np.array([t.numel() for t in tensors], dtype=np.float64)
-        groups = ops.tensor_moments(tensors, self._needs, edges=self.edges)
-        job.gather = ops.host_moments(groups, len(tensors), copy)
+        signature = ops.MomentPlan.signature(tensors)
+        plan = self._plans.get(kind)
+        if plan is None or plan[0] != signature:
+            plan = self._plans[kind] = (signature, ops.MomentPlan(tensors, self._needs))
+        job.count = plan[1].count
+        job.gather = plan[1].queue(tensors, copy)
+        if self.edges is not None:
+            edges = self.edges
+            job.hist = copy.add_rows(
+                [(idx, ops.histogram_counts([tensors[i].detach() for i in idx], edges))
+                 for idx, _, _ in plan[1].groups], len(tensors))
         known = self._exact_names.get(kind)
         if known and self._needs.std:
             rows = np.array([i for i, n in enumerate(names) if n in known], dtype=np.int64)
@@ -187,10 +206,13 @@ class StepReducer:
         raw = job.gather()
         count = job.count
         if job.group is not None:  # parts (calls) with exact fields: combine them
+            assert isinstance(raw, Moments)
             refined = ops.refine_fields(count, raw)
             count, refined = ops.combine_parts(count, refined, job.group, len(job.names))
             return job.names, count, refined
         exact = None if job.exact is None else (job.exact[0], job.exact[1]())
+        if job.hist is not None:
+            raw = {**raw, "hist": job.hist()}
         refined, unreliable = ops.complete_fields(job.tensors, count, raw, self._needs,
                                                   exact=exact, scratch=self._scratch)
         self._exact_names[job.kind] = {job.names[i] for i in unreliable} if len(unreliable) else set()

@@ -8,6 +8,7 @@ update (:func:`combine_parts`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,10 @@ def unreliable_m2(count: np.ndarray, fields: Fields) -> np.ndarray:
     m = Moments.coerce(fields)
     s, q = m["sum"], m["sumsq"]
     # Written without division: Inf and NaN rows compare False and raise no warning.
-    return np.flatnonzero((count > 1) & (s * s > _EXACT_SHARE * q * count))
+    share = s * s > q * (_EXACT_SHARE * count)
+    if not share.any():
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero((count > 1) & share)
 
 
 def complete_fields(
@@ -93,13 +97,19 @@ def complete_fields(
         ``(refined moments, unreliable rows)``; the latter are worth computing exactly up
         front next step.
     """
-    m = Moments.coerce(fields).copy()
-    later = HostCopy()
+    m = Moments.coerce(fields)
+    if m is fields:  # coerce made a new one from a mapping; a Moments is the caller's
+        m = m.copy()
+    later: HostCopy | None = None
     lazy_nf = None
     if needs.lazy_nonfinite:
-        flagged = np.flatnonzero(~np.isfinite(m["max"]) | ~np.isfinite(m["negmin"]))
-        m.nonfinite = np.zeros(len(count))
-        if len(flagged):
+        m.nonfinite = _zeros(len(count))
+        # max(max, -min) is finite exactly when both are: NaN and Inf reach it either way
+        finite = np.isfinite(np.maximum(m["max"], m["negmin"]))
+        if not finite.all():
+            m.nonfinite = np.zeros(len(count))
+            flagged = np.flatnonzero(~finite)
+            later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
     unreliable = unreliable_m2(count, m) if needs.std else np.zeros(0, dtype=np.int64)
@@ -110,16 +120,26 @@ def complete_fields(
     if len(missing):
         # Looked up on the module at call time, like every caller of centered_moments.
         groups = _moments.centered_moments([tensors[int(i)] for i in missing], scratch=scratch)
+        later = later or HostCopy()
         gather = host_moments(groups, len(missing), later)
-    if lazy_nf is not None or gather is not None:
+    if later is not None:
         later.run()  # only steps with NaN/Inf or a dominant mean pay for this transfer
     if lazy_nf is not None:
+        assert later is not None
         m["nonfinite"][lazy_nf[0]] = later.get(lazy_nf[1])
     if gather is not None:
         extra = gather()
         rows = np.concatenate([rows, missing])
         ef = extra if ef is None else Moments.cat([ef, extra])
     return refine_fields(count, m, (rows, ef) if len(rows) and ef is not None else None), unreliable
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> np.ndarray:
+    """A shared, read-only float64 array of ``n`` zeros."""
+    out = np.zeros(n)
+    out.setflags(write=False)
+    return out
 
 
 def combine_parts(
@@ -174,10 +194,10 @@ def finish_stats(
         {'mean': [1.0], 'std': [1.0]}
     """
     m = Moments.coerce(fields)
-    n = count.astype(np.float64)
+    n = np.asarray(count, dtype=np.float64)
     out: dict[str, np.ndarray] = {}
+    nan: Any = None
     with np.errstate(all="ignore"):
-        nan = (np.isnan(m["max"]) | np.isnan(m["negmin"])) if m.max is not None else np.False_
         for stat in stats:
             if stat == "mean":
                 out[stat] = m["sum"] / n
@@ -188,12 +208,12 @@ def finish_stats(
                 out[stat] = np.sqrt(m2 / n)
             elif stat == "norm":
                 out[stat] = np.sqrt(m["sumsq"])
-            elif stat == "absmax":
-                out[stat] = np.where(nan, np.nan, np.maximum(m["max"], m["negmin"]))
-            elif stat == "max":
-                out[stat] = np.where(nan, np.nan, m["max"])
-            elif stat == "min":
-                out[stat] = np.where(nan, np.nan, -m["negmin"])
+            elif stat == "absmax":  # np.maximum propagates NaN from either side
+                out[stat] = np.maximum(m["max"], m["negmin"])
+            elif stat in ("max", "min"):
+                if nan is None:
+                    nan = np.isnan(m["max"]) | np.isnan(m["negmin"])
+                out[stat] = np.where(nan, np.nan, m["max"] if stat == "max" else -m["negmin"])
             elif stat == "nonfinite":
                 out[stat] = m["nonfinite"]
             elif stat == "zero_frac":

@@ -36,13 +36,17 @@ class HostCopy:
     def __init__(self, *, views: bool = False) -> None:
         self.views = views
         self._items: list[Tensor] = []
+        self._owned: set[int] = set()
         self._out: list[np.ndarray] = []
         #: device-to-host transfers made so far (CPU tensors need none)
         self.transfers = 0
 
-    def add(self, t: Tensor) -> int:
-        """Queue ``t`` (any float or int dtype); return its handle."""
+    def add(self, t: Tensor, *, owned: bool = False) -> int:
+        """Queue ``t`` (any float or int dtype); return its handle. ``owned``: ``t`` is a
+        fresh tensor nobody else holds, so a CPU one may be handed out without a copy."""
         self._items.append(t.detach())
+        if owned:
+            self._owned.add(len(self._items) - 1)
         return len(self._items) - 1
 
     def add_rows(self, groups: Sequence[tuple[Sequence[int], Tensor]], n: int) -> Callable[[], np.ndarray]:
@@ -68,6 +72,14 @@ class HostCopy:
 
     def run(self) -> None:
         """Copy everything queued to the host (one transfer per device)."""
+        items = self._items
+        if len(items) == 1 and 0 in self._owned and items[0].is_cpu \
+                and items[0].dtype == torch.float64 and not self.views:
+            # the usual step: one fresh float64 buffer of the step's statistics on the CPU
+            self._out = [items[0].numpy()]
+            self._items = []
+            self._owned = set()
+            return
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(self._items):
             by_device.setdefault(t.device, []).append(i)
@@ -80,7 +92,7 @@ class HostCopy:
                 continue
             parts = [self._items[i].reshape(-1).to(torch.float64) for i in idx]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if device.type == "cpu" and len(parts) == 1:
+            if device.type == "cpu" and len(parts) == 1 and idx[0] not in self._owned:
                 flat = flat.clone()  # never hand out numpy views of a caller's tensor
             if device.type != "cpu":
                 self.transfers += 1
@@ -92,6 +104,7 @@ class HostCopy:
                 offset += n
         self._out = out
         self._items = []
+        self._owned = set()
 
     def get(self, handle: int) -> np.ndarray:
         """The host copy of the tensor behind ``handle`` (after :meth:`run`)."""

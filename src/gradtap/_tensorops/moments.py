@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -40,10 +41,11 @@ from torch import Tensor
 from gradtap._tensorops.groups import Scratch, group_by_device_dtype
 from gradtap._tensorops.histograms import histogram_counts
 from gradtap._tensorops.host import HostCopy
-from gradtap._tensorops.l2 import group_sumsq
+from gradtap._tensorops.l2 import BLOCK, group_sumsq
 
 __all__ = [
     "MAX_FIELDS",
+    "MomentPlan",
     "STAT_NAMES",
     "SUM_FIELDS",
     "Centered",
@@ -329,23 +331,202 @@ def host_moments(
 
 
 def _group_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> Moments[Tensor]:
-    f64 = torch.float64
-    out: Moments[Tensor] = Moments()
-    if needs.sum:
-        # There is no foreach sum; a per-tensor sum is one vectorised (cascade) kernel each.
-        out.sum = torch.stack([t.sum(dtype=acc) for t in ts]).to(f64)
-    if needs.sumsq:
-        out.sumsq = group_sumsq(ts, acc)
-    if needs.minmax:
-        mm = [torch.aminmax(t) for t in ts]
-        out.max = torch.stack([m.max for m in mm]).to(f64)
-        out.negmin = torch.stack([m.min for m in mm]).to(f64).neg()
-    if needs.nonfinite:
-        # x * 0 is 0 for finite x and NaN for NaN/Inf, and count_nonzero counts NaN.
-        out.nonfinite = torch.stack([(t * 0).count_nonzero() for t in ts]).to(f64)
-    if needs.nonzero:
-        out.nonzero = torch.stack([t.count_nonzero() for t in ts]).to(f64)
-    return out
+    layout = _layout(tuple(t.numel() for t in ts), needs, ts[0].device.type == "cpu")
+    return layout.device_fields(layout.launch(ts, acc))
+
+
+class _Layout:
+    """Where each field of one ``(device, dtype)`` group of tensors lies in its flat buffer.
+
+    :meth:`launch` runs every reduction kernel the fields need and puts their results in one
+    float64 tensor: the per-tensor scalars (``sum``, the norms of short tensors and of long
+    tensors' tails, ``max``, ``min``) in one stack, then the blocked row norms of long CPU
+    tensors (:func:`~gradtap._tensorops.l2.group_sumsq`), then the counts. The fields are then
+    read back by index, on the device (:meth:`device_fields`) or on the host after the step's
+    one copy (:meth:`host_fields`), with a fixed number of operations whatever the number of
+    tensors.
+    """
+
+    def __init__(self, numels: tuple[int, ...], needs: Needs, cpu: bool) -> None:
+        k = len(numels)
+        self.k = k
+        self.needs = needs
+        # blocks of each tensor (long CPU tensors only) and which tensors leave a short piece
+        self.blocks = [n // BLOCK if cpu and n > BLOCK else 0 for n in numels]
+        self.short = [not q or bool(n % BLOCK) for q, n in zip(self.blocks, numels)]
+        pos = 0
+        self.slices: dict[str, slice] = {}
+        if needs.sum:
+            self.slices["sum"], pos = slice(pos, pos + k), pos + k
+        n_short = sum(self.short) if needs.sumsq else 0
+        short_at, pos = pos, pos + n_short
+        if needs.minmax:
+            self.slices["max"], pos = slice(pos, pos + k), pos + k
+            self.slices["min"], pos = slice(pos, pos + k), pos + k
+        self.n_scalars = pos
+        sq_pos: list[int] = []
+        sq_index: list[int] = []
+        if needs.sumsq:  # rows first, then short pieces: group_sumsq's order of summation
+            for j, q in enumerate(self.blocks):
+                sq_pos += range(pos, pos + q)
+                sq_index += [j] * q
+                pos += q
+            sq_pos += range(short_at, short_at + n_short)
+            sq_index += [j for j, s in enumerate(self.short) if s]
+        self.sq_pos = np.array(sq_pos, dtype=np.int64)
+        self.sq_index = np.array(sq_index, dtype=np.int64)
+        for f in ("nonfinite", "nonzero"):
+            if getattr(needs, f):
+                self.slices[f], pos = slice(pos, pos + k), pos + k
+        self.size = pos
+        # positions of the plain fields, one row per field [F, k]: one take on the host
+        self.take = np.array([np.arange(sl.start, sl.stop) for sl in self.slices.values()],
+                             dtype=np.int64).reshape(len(self.slices), k)
+        self._device_index: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def launch(self, ts: Sequence[Tensor], acc: torch.dtype) -> Tensor:
+        """Run the kernels over ``ts`` (this layout's tensors): the flat float64 buffer."""
+        needs = self.needs
+        scalars: list[Tensor] = []
+        rows: list[Tensor] = []
+        counts: list[Tensor] = []
+        if needs.sum:
+            # There is no foreach sum; a per-tensor sum is one vectorised (cascade) kernel each.
+            scalars += [t.sum(dtype=acc) for t in ts]
+        if needs.sumsq:
+            kw = {"dtype": acc} if acc != ts[0].dtype else {}
+            short: list[Tensor] = []
+            for t, q, s in zip(ts, self.blocks, self.short):
+                if not q:
+                    short.append(t)
+                    continue
+                if t.is_contiguous():  # rows of BLOCK elements, one view
+                    blocks = t.as_strided((q, BLOCK), (BLOCK, 1))
+                else:
+                    blocks = t.reshape(-1)[: q * BLOCK].view(q, BLOCK)
+                rows.append(torch.linalg.vector_norm(blocks, dim=1, **kw))
+                if s:
+                    short.append(t.reshape(-1)[q * BLOCK:])
+            if short:
+                scalars += torch._foreach_norm(short, 2, **kw)
+        if needs.minmax:
+            mm = [torch.aminmax(t) for t in ts]
+            scalars += [m.max for m in mm]
+            scalars += [m.min for m in mm]
+        if needs.nonfinite:
+            # x * 0 is 0 for finite x and NaN for NaN/Inf, and count_nonzero counts NaN.
+            counts += [(t * 0).count_nonzero() for t in ts]
+        if needs.nonzero:
+            counts += [t.count_nonzero() for t in ts]
+        parts = [torch.stack(scalars)] if scalars else []
+        parts += rows
+        if counts:  # exact in float64 (float32 would round counts above 2**24)
+            parts.append(torch.stack(counts).to(torch.float64))
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64, device=ts[0].device)
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return flat.to(torch.float64)
+
+    def device_fields(self, flat: Tensor) -> Moments[Tensor]:
+        """The fields of a :meth:`launch` buffer as tensors on its device."""
+        sl = self.slices
+        out: Moments[Tensor] = Moments()
+        if "sum" in sl:
+            out.sum = flat[sl["sum"]]
+        if self.needs.sumsq:
+            index = self._device_index.get(flat.device)
+            if index is None:
+                index = self._device_index[flat.device] = (
+                    torch.from_numpy(self.sq_pos).to(flat.device),
+                    torch.from_numpy(self.sq_index).to(flat.device))
+            out.sumsq = torch.zeros(self.k, dtype=flat.dtype, device=flat.device).index_add_(
+                0, index[1], flat[index[0]].square())
+        if "max" in sl:
+            out.max = flat[sl["max"]]
+            out.negmin = flat[sl["min"]].neg()
+        if "nonfinite" in sl:
+            out.nonfinite = flat[sl["nonfinite"]]
+        if "nonzero" in sl:
+            out.nonzero = flat[sl["nonzero"]]
+        return out
+
+    def host_fields(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The fields of a :meth:`launch` buffer copied to the host, as float64 arrays."""
+        out = dict(zip(self.slices, flat[self.take]))
+        if "min" in out:
+            out["negmin"] = -out.pop("min")
+        if self.needs.sumsq:
+            pieces = flat[self.sq_pos]
+            out["sumsq"] = np.bincount(self.sq_index, weights=pieces * pieces, minlength=self.k)
+        return out
+
+
+@lru_cache(maxsize=256)
+def _layout(numels: tuple[int, ...], needs: Needs, cpu: bool) -> _Layout:
+    return _Layout(numels, needs, cpu)
+
+
+class MomentPlan:
+    """How to reduce one list of tensors (fixed devices, dtypes and sizes) step after step.
+
+    Made once for a list's signature (:meth:`signature`), it groups the tensors by device and
+    dtype, lays out each group's flat buffer (one stack and one host copy per group) and keeps
+    the element counts, so a step costs the kernels, one copy and a few numpy operations.
+
+    Args:
+        tensors: non-empty floating-point tensors.
+        needs: the fields to compute (:func:`needs_for`).
+
+    Example:
+        >>> import torch
+        >>> ts = [torch.ones(3), torch.arange(4.0)]
+        >>> plan = MomentPlan(ts, needs_for(["mean", "norm"]))
+        >>> copy = HostCopy()
+        >>> get = plan.queue(ts, copy)
+        >>> copy.run()
+        >>> {f: v.round(5).tolist() for f, v in get().items()}
+        {'sum': [3.0, 6.0], 'sumsq': [3.0, 14.0]}
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], needs: Needs) -> None:
+        self.needs = needs
+        self.n = len(tensors)
+        self.count = np.array([t.numel() for t in tensors], dtype=np.float64)
+        self.groups: list[tuple[list[int], torch.dtype, _Layout]] = []
+        for (device, dtype), idx in group_by_device_dtype(tensors).items():
+            if not dtype.is_floating_point:
+                raise TypeError(f"statistics need floating-point tensors; got {dtype}")
+            layout = _layout(tuple(tensors[i].numel() for i in idx), needs, device.type == "cpu")
+            self.groups.append((idx, torch.promote_types(dtype, torch.float32), layout))
+        self._in_order = len(self.groups) == 1
+
+    @staticmethod
+    def signature(tensors: Sequence[Tensor]) -> tuple[Any, ...]:
+        """What a plan depends on: each tensor's device, dtype and element count."""
+        return tuple((t.device, t.dtype, t.numel()) for t in tensors)
+
+    def queue(self, tensors: Sequence[Tensor], copy: HostCopy) -> Callable[[], dict[str, np.ndarray]]:
+        """Launch the kernels over ``tensors`` and queue their buffers on ``copy``. Returns a
+        function that, after ``copy.run()``, gives each field as a float64 array [n]."""
+        handles = []
+        with torch.no_grad():  # as detached, without a detach per tensor
+            for idx, acc, layout in self.groups:
+                ts = tensors if self._in_order else [tensors[i] for i in idx]
+                handles.append(copy.add(layout.launch(ts, acc), owned=True))
+        if self._in_order:
+            layout, h = self.groups[0][2], handles[0]
+            return lambda: layout.host_fields(copy.get(h))
+
+        def gather() -> dict[str, np.ndarray]:
+            out: dict[str, np.ndarray] = {}
+            for (idx, _, layout), h in zip(self.groups, handles):
+                for f, v in layout.host_fields(copy.get(h)).items():
+                    if f not in out:
+                        out[f] = np.zeros(self.n)
+                    out[f][idx] = v
+            return out
+
+        return gather
 
 
 def _loop_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> Moments[Tensor]:
