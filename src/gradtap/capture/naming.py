@@ -65,18 +65,34 @@ def _has_dtensor(params: Iterable[Tensor]) -> bool:
     return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params)
 
 
-def _argument_names(module: nn.Module) -> tuple[list[str], str | None]:
+def _argument_names(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    if func is not None and getattr(forward, "__self__", None) is module:
+        return _names_of(func, bound=True)  # the usual bound method: its names, once per function
+    return _names_of(forward, bound=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _names_of(function: Callable, bound: bool) -> tuple[tuple[str, ...], str | None]:
+    """The positional argument names and the ``*args`` name of ``function`` (its first
+    positional one, ``self``, left out when ``bound``)."""
     try:
-        sig = inspect.signature(module.forward)
+        sig = inspect.signature(function)
     except (TypeError, ValueError):
-        return [], "args"
-    positional, varargs = [], None
-    for p in sig.parameters.values():
+        return (), "args"
+    params = list(sig.parameters.values())
+    if bound and params and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                               params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    positional: list[str] = []
+    varargs = None
+    for p in params:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             positional.append(p.name)
         elif p.kind == p.VAR_POSITIONAL:
             varargs = p.name
-    return positional, varargs
+    return tuple(positional), varargs
 
 
 def argument_tensors(module: nn.Module) -> Callable[[tuple, dict], list[tuple[str, Tensor]]]:
