@@ -21,7 +21,7 @@ from gradtap._types import Selector
 from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
 
-__all__ = ["CallbackCore", "STATE_FILE"]
+__all__ = ["STATE_FILE", "CallbackCore", "CallbackViews"]
 
 #: The file the Hugging Face callback writes into each checkpoint directory.
 STATE_FILE = "gradtap_state.pt"
@@ -155,3 +155,29 @@ class CallbackCore:
         if self.monitor is not None:
             self.monitor.close(status)
             self.monitor = None
+
+
+class CallbackViews:
+    """What both frameworks' ``GradtapCallback`` show of their :class:`CallbackCore`."""
+
+    _core: CallbackCore
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The Monitor while training runs (``None`` before and after)."""
+        return self._core.monitor
+
+    @property
+    def anomalies(self) -> list[Any]:
+        """Anomalies found with ``detect=True`` (:class:`gradtap.Anomaly`)."""
+        return self._core.anomalies
+
+    @property
+    def skipped(self) -> list[int]:
+        """Steps whose optimizer update was skipped (``detect=True``)."""
+        return list(self._core.skipped)
+
+    @property
+    def overflows(self) -> list[int]:
+        """Steps the grad scaler skipped for an inf/NaN gradient (``detect=True``)."""
+        return list(self._core.overflows)

@@ -21,14 +21,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("gradtap.integrations.lightning needs Lightning: "
                       "pip install gradtap[lightning]") from exc
 
-from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
+from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector
-from gradtap.integrations._callback import CallbackCore
+from gradtap.integrations._callback import CallbackCore, CallbackViews
 
 __all__ = ["GradtapCallback"]
 
 
-class GradtapCallback(Callback):  # type: ignore[misc]
+class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     """Monitor a Lightning model's gradients: one Monitor step per optimizer step.
 
     The Monitor watches the ``LightningModule`` (parameters named as in it) from
@@ -72,26 +72,6 @@ class GradtapCallback(Callback):  # type: ignore[misc]
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
                  detect: bool = False) -> None:
         self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The Monitor while training runs (``None`` before and after)."""
-        return self._core.monitor
-
-    @property
-    def anomalies(self) -> list[Any]:
-        """Anomalies found with ``detect=True`` (:class:`gradtap.Anomaly`)."""
-        return self._core.anomalies
-
-    @property
-    def skipped(self) -> list[int]:
-        """Steps whose optimizer update was skipped (``detect=True``)."""
-        return list(self._core.skipped)
-
-    @property
-    def overflows(self) -> list[int]:
-        """Steps the grad scaler skipped for an inf/NaN gradient (``detect=True``)."""
-        return list(self._core.overflows)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir

@@ -23,16 +23,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("gradtap.integrations.transformers needs transformers: "
                       "pip install gradtap[transformers]") from exc
 
-from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
+from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector
 from gradtap.capture import HookSet
-from gradtap.integrations._callback import STATE_FILE, CallbackCore
+from gradtap.integrations._callback import STATE_FILE, CallbackCore, CallbackViews
 from gradtap.select import unwrap_model
 
 __all__ = ["GradtapCallback"]
 
 
-class GradtapCallback(TrainerCallback):  # type: ignore[misc]
+class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     """Monitor a Hugging Face ``Trainer``'s gradients: one Monitor step per optimizer step.
 
     The Monitor watches the Trainer's model (parameters named as in it, without wrapper
@@ -82,26 +82,6 @@ class GradtapCallback(TrainerCallback):  # type: ignore[misc]
         self._hooks: HookSet | None = None
         self._stepped = False
         self._scaler: torch.amp.GradScaler | None = None
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The Monitor while training runs (``None`` before and after)."""
-        return self._core.monitor
-
-    @property
-    def anomalies(self) -> list[Any]:
-        """Anomalies found with ``detect=True`` (:class:`gradtap.Anomaly`)."""
-        return self._core.anomalies
-
-    @property
-    def skipped(self) -> list[int]:
-        """Steps whose optimizer update was skipped (``detect=True``)."""
-        return list(self._core.skipped)
-
-    @property
-    def overflows(self) -> list[int]:
-        """Steps the grad scaler skipped for an inf/NaN gradient (``detect=True``)."""
-        return list(self._core.overflows)
 
     # The Trainer restores its state from a checkpoint after on_train_begin: the Monitor is
     # made at the first on_step_begin, when global_step is the resumed one.
