@@ -18,3 +18,13 @@ NO_CUDA = "no CUDA GPU: torch.cuda.is_available() is false (run pytest -m cuda o
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The device a numerical test runs on: CPU, and CUDA when a GPU is present."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def float64_seeded():
+    """float64 as the default dtype (float64 oracles) and a fixed seed, for one test."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(old)

@@ -37,19 +37,11 @@ from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
 from tests._models import assert_no_hooks
 
 # The oracle's vmap warns about ops without a batching rule (it falls back to a loop).
-pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+              pytest.mark.usefixtures("float64_seeded")]
 
 HYP = settings(max_examples=25, deadline=None, derandomize=True)
 ALL = ("grad", "norm", "variance", "second_moment", "snr")
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(old)
 
 
 def close(actual: Tensor, expected: Tensor, what: str) -> None:

@@ -30,13 +30,7 @@ Batch = dict[str, Tensor]
 Loss = Callable[[nn.Module, Batch], Tensor]
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 
 def close(actual: Tensor, expected: Tensor, what: str, rtol: float = 1e-7) -> None:

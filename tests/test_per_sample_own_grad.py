@@ -23,13 +23,7 @@ from tests.test_per_sample_models import _bert, _gpt2, close, loop_oracle
 N, T, E = 3, 5, 8
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 
 class Block(nn.Module):
