@@ -130,9 +130,13 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
 
 def _gradtap(quantity: str, own_grad: bool = False) -> Callable[[nn.Module, Tensor, Tensor], Step]:
     def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+        # Made once and cleared before each batch, as in a training loop (the anchors, too,
+        # wrap or extend the model once).
+        ps = gt.per_sample(model, quantities=(quantity,), own_grad=own_grad)
+
         def step() -> object:
-            with gt.per_sample(model, quantities=(quantity,), own_grad=own_grad) as ps:
-                F.cross_entropy(model(x), y).backward()
+            ps.clear()
+            F.cross_entropy(model(x), y).backward()
             out = getattr(ps, quantity)
             model.zero_grad(set_to_none=True)
             return out

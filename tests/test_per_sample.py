@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import importlib
 import pickle
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -670,6 +671,35 @@ def test_clear_between_steps_and_accumulation_like_grad() -> None:
     close(ps.grad["0.weight"], ref1["0.weight"] + ref2["0.weight"], "accumulated")
 
 
+@pytest.mark.parametrize("own_grad", [False, True])
+def test_made_once_and_cleared_in_a_training_loop(own_grad: bool) -> None:
+    """One object over several optimizer steps (the weights change): each batch's results
+    equal the oracle at that step's weights, and ``.grad`` is autograd's."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(40, 48), nn.Tanh(), nn.Linear(48, 3))  # sketched widths
+
+    model, twin = make(), make()  # the oracle runs on a twin without hooks
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ps = gt.per_sample(model, quantities=("grad", "norm"), own_grad=own_grad)
+    try:
+        for step in range(3):
+            x, y = torch.randn(5, 40), torch.randint(0, 3, (5,))
+            twin.load_state_dict(model.state_dict())
+            ref = model_oracle(twin, F.cross_entropy, x, y)
+            ps.clear()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            for k, p in model.named_parameters():
+                close(ps.grad[k], ref[k], f"step {step} grad {k}")
+                close(p.grad, ref[k].mean(0), f"step {step} .grad {k}")
+            norm = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+            close(ps.norm, norm, f"step {step} norm")
+            opt.step()
+    finally:
+        ps.remove()
+    assert_no_hooks(model)
+
+
 def test_results_are_freed_with_the_object_without_the_garbage_collector() -> None:
     model = _mlp()
     gc.disable()  # a reference cycle would keep every per-sample gradient until gc runs
@@ -834,3 +864,33 @@ def test_benchmark_quick_runs() -> None:
     assert "| conv |" not in text
     methods = bench.main(["--quick", "--methods"])
     assert methods.count("\n") == 4 and ("| unfold |" in methods or "| conv |" in methods)
+
+
+# --------------------------------------------------------------------------------------------
+# the end-of-backward check on a projection (wide Linear weights)
+# --------------------------------------------------------------------------------------------
+
+
+@HYP
+@given(n=st.integers(1, 12), width=st.integers(33, 300), out=st.integers(1, 40),
+       seq=st.sampled_from([(), (3,)]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       reduction=st.sampled_from(["mean", "sum"]))
+def test_sketched_check_passes_healthy_linear_models(n: int, width: int, out: int,
+                                                     seq: tuple[int, ...], dtype: torch.dtype,
+                                                     reduction: str) -> None:
+    """No false alarm from the projected check in float32 or float64, with or without
+    sequence dims: no warning, and the per-sample gradients still reduce to ``.grad``."""
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, out)).to(dtype)
+    x = torch.randn(n, *seq, width, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught, gt.per_sample(
+            model, quantities=("grad",), loss_reduction=reduction) as ps:
+        warnings.simplefilter("always")
+        y = model(x).square()
+        (y.mean(tuple(range(1, y.dim()))).mean() if reduction == "mean" else y.sum()).backward()
+        grads = ps.grad
+    assert "0.weight" in ps._sketches
+    assert [str(w.message) for w in caught] == []
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for k, p in model.named_parameters():
+        total = grads[k].mean(0) if reduction == "mean" else grads[k].sum(0)
+        torch.testing.assert_close(total, p.grad, rtol=tol, atol=tol * float(p.grad.abs().max()))

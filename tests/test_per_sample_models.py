@@ -360,6 +360,30 @@ def test_decoder_called_once_per_sample() -> None:
     assert len(messages) == 1 and "'dec'" in messages[0], messages
 
 
+class WideOutside(nn.Module):
+    """A Linear wide enough for the sketched check, whose weight is used once more outside its
+    calls."""
+
+    def __init__(self, width: int = 80) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        extra = F.linear(h, self.fc.weight).mean(-1, keepdim=True)  # cross-entropy is shift-
+        return self.head(h) + 0.5 * extra * torch.tensor([1.0, 0.0, 0.0])  # invariant: 1 logit
+
+
+def test_sketched_check_catches_a_small_use_outside_the_calls() -> None:
+    model = WideOutside()
+    batch = {"x": torch.randn(N, 80), "y": torch.randint(0, 3, (N,))}
+    ps, messages = check(model, vector_loss, batch)
+    assert "fc.weight" in ps._sketches  # the check on fc.weight ran on the projection
+    assert len(messages) == 1 and "'fc'" in messages[0], messages
+    assert "do not add up to its gradient" in messages[0]
+
+
 def test_check_catches_a_wrong_split_and_replays() -> None:
     """A rule whose per-sample gradients do not add up to .grad is caught and replaced."""
     from gradtap._per_sample.rule import PER_SAMPLE

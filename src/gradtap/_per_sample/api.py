@@ -43,6 +43,7 @@ from gradtap._per_sample.owners import (
     rows,
 )
 from gradtap._per_sample.results import STATS, results
+from gradtap._per_sample.sketch import Sketches
 from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
@@ -123,6 +124,7 @@ class PerSample:
             )
         self._fallback = fallback
         self._owners = resolve_owners(model, self._params, batch_dim, fallback)
+        self._sketches = Sketches(self._params, self._owners)
         self._use_count = {q: sum(q in o.direct.values() for o in self._owners.values())
                            for q in self._params}
         self._owners_of: dict[str, list[str]] = {}
@@ -251,7 +253,8 @@ class PerSample:
         self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
         self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
         self._step_grad: dict[str, Tensor] = {}
-        self._step_sum: dict[str, Tensor] = {}  # sum over samples of _step_grad
+        # sum over samples of _step_grad, times its projection where the check is sketched
+        self._step_sum: dict[str, Tensor] = {}
         self._step_norm_sq: dict[str, Tensor] = {}
         self._step_sum_sq: dict[str, Tensor] = {}
         self._step_total: dict[str, Tensor] = {}
@@ -488,7 +491,7 @@ class PerSample:
                                       self.batch_size, self.batch_dim)  # type: ignore[arg-type]
                 if materialize:
                     grads = compute.grads()
-                    self._add_grads(names, grads, _sums(compute, grads))
+                    self._add_grads(names, grads, self._checked_sums(compute, grads, names))
                 else:
                     self._add_reduced(names, compute, rec, scale)
         except CannotReplay as err:
@@ -545,7 +548,8 @@ class PerSample:
                 if materialize:
                     grads = compute.grads()
                     totals = _sums(compute, grads)
-                    self._add_grads(names, grads, totals)
+                    self._add_grads(names, grads, {
+                        rel: self._sketches.project(names[rel], t) for rel, t in totals.items()})
                 else:
                     totals = compute.total()
                 shares = {}
@@ -567,10 +571,27 @@ class PerSample:
                 own.release()
         owner.seen.update(names)
 
+    def _checked_sums(self, compute: Compute, grads: dict[str, Tensor],
+                      names: dict[str, str]) -> dict[str, Tensor]:
+        """What the end-of-backward check compares of one call: ``sum_n g_n`` per name, times
+        its projection where the check is sketched (``_per_sample.sketch``)."""
+        sketched = {rel for rel in grads if names[rel] in self._sketches}
+        out: dict[str, Tensor] = {}
+        if (sketched and isinstance(compute, RuleCompute)
+                and compute.rule.total_sketch is not None):
+            first = self._sketches.matrix(names[next(iter(sketched))])
+            if all(self._sketches.matrix(names[rel]) is first for rel in sketched):
+                out = compute.sketch(frozenset(sketched), first)
+        rest = {rel: g for rel, g in grads.items() if rel not in out}
+        if rest:
+            out.update((rel, self._sketches.project(names[rel], t))
+                       for rel, t in _sums(compute, rest).items() if rel in rest)
+        return out
+
     def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
                    sums: dict[str, Tensor]) -> None:
         """Add one call's per-sample gradients, and their sums over the samples (for the
-        check at the end of backward)."""
+        check at the end of backward; projected where it is sketched)."""
         for rel, t in sums.items():
             qual = names[rel]
             self._step_sum[qual] = t if qual not in self._step_sum else self._step_sum[qual] + t
@@ -646,13 +667,13 @@ class PerSample:
             grads = [q for q in touched if q in self._step_grad
                      and q not in self._flagged and q not in self._late]
             if grads:
-                sums = [self._step_sum[q] if q in self._step_sum else self._step_grad[q].sum(0)
-                        for q in grads]
+                sums = [self._step_sum[q] if q in self._step_sum
+                        else self._sketches.project(q, self._step_grad[q].sum(0)) for q in grads]
                 sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     inc = self._increments.get(q)
-                    rows[q] = (a, torch.zeros_like(a) if inc is None else inc,
-                               self._step_grad[q])
+                    rows[q] = (a, torch.zeros_like(a) if inc is None
+                               else self._sketches.project(q, inc), self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
                 pg = self._step_pg.get(q)
                 inc = self._increments.get(q)

@@ -80,6 +80,13 @@ class RuleCompute(Compute):
         out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after)
 
+    def sketch(self, names: frozenset[str], r: Tensor) -> dict[str, Tensor]:
+        """``total() @ r`` for the names the rule's ``total_sketch`` covers."""
+        sketch = self.rule.total_sketch
+        assert sketch is not None
+        out = sketch(self.owner.module, self.inp, self.go, names & self.names, r)
+        return self._scaled(out, self.after)
+
     def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
         """Whether ``total`` costs less than summing the per-sample gradients ``grads``."""
         cost = self.rule.total_cost

@@ -16,7 +16,12 @@ by parameter name relative to the module, for the names asked:
 * ``total(...) -> {name: param.shape}``: ``sum_n g_n``, the batch gradient (what autograd
   would accumulate, times the scale), used when ``per_sample(own_grad=True)`` fills ``.grad``.
 
-``norm_sq``, ``sum_sq`` and ``total`` are optional fast paths: without them the quantity is
+* ``total_sketch(module, inp, grad_out, names, r) -> {name: (sum_n g_n).flatten(1) @ r}``
+  for the names it covers: the batch gradient times a random matrix ``r``
+  (``[param.shape[1:].numel(), k]``) without building the batch gradient, for the check at the
+  end of backward (``gradtap._per_sample.sketch``).
+
+``norm_sq``, ``sum_sq``, ``total`` and ``total_sketch`` are optional fast paths: without them the quantity is
 reduced from ``grad`` chunk by chunk over samples (:meth:`PerSampleRule.norm_sq_of`,
 :meth:`PerSampleRule.sum_sq_of`, :meth:`PerSampleRule.total_of`), so the temporary stays
 within :func:`budget`.
@@ -133,6 +138,8 @@ class PerSampleRule:
         total_cost: ``(inp, grad_out) -> int``, what ``total`` costs in multiply-adds: when
             per-sample gradients are built anyway, their sum costs their size, and the
             cheaper of the two is taken. Without it they are summed.
+        total_sketch: optional ``total`` times a random matrix, for the end-of-backward
+            check when ``total`` costs as much as autograd's own batch gradient.
         pieces: the call's linear maps, for types without ``grad``.
         own_forward: the forward with selected parameters detached, reading the linear
             maps' inputs and output gradients (``own_grad=True``).
@@ -150,6 +157,8 @@ class PerSampleRule:
     sum_sq: GradRule | None = None
     total: GradRule | None = None
     total_cost: Callable[[Tensor, Tensor], int] | None = None
+    total_sketch: Callable[[nn.Module | None, Tensor, Tensor, frozenset[str], Tensor],
+                           dict[str, Tensor]] | None = None
     pieces: PiecesRule | None = None
     own_forward: Callable[[nn.Module, tuple, dict, OwnCall], Any] | None = None
     own_pieces: Callable[[nn.Module, OwnCall, dict[str, Tensor | None], float],

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
 
 __all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
-           "sum_sq_linear", "sum_sq_pieces", "total_linear", "total_pieces"]
+           "sketch_linear", "sum_sq_linear", "sum_sq_pieces", "total_linear", "total_pieces"]
 
 
 def _flat(inp: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -115,9 +115,21 @@ def total_linear(
     return out
 
 
+def sketch_linear(
+    module: nn.Module | None, inp: Tensor, grad_out: Tensor, names: frozenset[str], r: Tensor
+) -> dict[str, Tensor]:
+    """``(sum_n g_n) @ r`` for the weight, as ``b^T (a r)``: ``rows x k`` multiply-adds per
+    row instead of ``rows x in_features``."""
+    if "weight" not in names:
+        return {}
+    a = inp.reshape(-1, inp.shape[-1]).to(r.dtype)
+    b = grad_out.reshape(-1, grad_out.shape[-1]).to(r.dtype)
+    return {"weight": b.T @ (a @ r)}
+
+
 #: ``nn.Linear``: closed forms for every quantity.
 LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear,
-                       total=total_linear,
+                       total=total_linear, total_sketch=sketch_linear,
                        total_cost=lambda inp, go: go.numel() * inp.shape[-1])
 
 
