@@ -259,7 +259,10 @@ class PerSample:
         self._step_sum_sq: dict[str, Tensor] = {}
         self._step_total: dict[str, Tensor] = {}
         self._step_pg: dict[str, Tensor] = {}  # the calls' own contributions (not materialized)
-        self._increments: dict[str, Tensor] = {}  # what this backward adds to each .grad
+        # What this backward adds to each .grad, times its projection where the check is
+        # sketched: keeping no reference to a wide gradient lets autograd accumulate it into
+        # .grad without a copy.
+        self._increments: dict[str, Tensor] = {}
         self._largest_norm: float | None = None
         self._late: dict[str, tuple[str, str]] = {}  # found in backward: qual -> (module, why)
 
@@ -435,6 +438,9 @@ class PerSample:
             return
         self._queue_end()
         self._autograd_seen.add(qual)
+        if qual in self._sketches:
+            with torch.no_grad():
+                grad = self._sketches.project(qual, grad)
         if qual in self._increments:  # the parameter's hook ran twice (reentrant checkpoint)
             grad = self._increments[qual] + grad
         self._increments[qual] = grad
@@ -559,7 +565,8 @@ class PerSample:
                     shares[q] = g
                     self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
                     inc = self._increments.get(q)
-                    self._increments[q] = g if inc is None else inc + g
+                    g_check = self._sketches.project(q, g)
+                    self._increments[q] = g_check if inc is None else inc + g_check
                 if not materialize:
                     self._add_reduced(names, compute, rec, scale, shares)
         except CannotReplay as err:
@@ -611,7 +618,7 @@ class PerSample:
         for rel, qual in names.items():
             g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
             if g is not None:
-                self._step_pg[qual] = g
+                self._step_pg[qual] = self._sketches.project(qual, g)
                 if self._want_var:
                     self._step_total[qual] = g * scale
 
@@ -672,13 +679,14 @@ class PerSample:
                 sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     inc = self._increments.get(q)
-                    rows[q] = (a, torch.zeros_like(a) if inc is None
-                               else self._sketches.project(q, inc), self._step_grad[q])
+                    rows[q] = (a, torch.zeros_like(a) if inc is None else inc,
+                               self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
                 pg = self._step_pg.get(q)
                 inc = self._increments.get(q)
                 if pg is None:
-                    pg = torch.zeros_like(self._params[q] if inc is None else inc)
+                    pg = (torch.zeros_like(inc) if inc is not None
+                          else self._sketches.project(q, torch.zeros_like(self._params[q])))
                 rows[q] = (pg, torch.zeros_like(pg) if inc is None else inc, None)
         return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
@@ -686,7 +694,8 @@ class PerSample:
                 for q in mismatches(rows, self._params, c, self._largest)}
 
     def _largest(self) -> float:
-        """The largest gradient norm of this backward, over every selected parameter."""
+        """The largest gradient norm of this backward, over every selected parameter (of the
+        projection, whose expected square is the norm's, where the check is sketched)."""
         if self._largest_norm is None:
             self._largest_norm = largest_norm(list(self._increments.values()))
         return self._largest_norm
@@ -728,8 +737,8 @@ class PerSample:
                         tried[q].append(f"{where}: {err}")
                     continue
                 with torch.no_grad():
-                    rows = {q: (result[q].sum(0) * c, self._increments[q], result[q])
-                            for q in quals}
+                    rows = {q: (self._sketches.project(q, result[q].sum(0) * c),
+                                self._increments[q], result[q]) for q in quals}
                 wrong = mismatches(rows, self._params, c, self._largest)
                 for q in quals:
                     if q in wrong:
