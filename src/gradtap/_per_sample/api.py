@@ -43,7 +43,7 @@ from gradtap._per_sample.owners import (
     rows,
 )
 from gradtap._per_sample.results import STATS, results
-from gradtap._per_sample.sketch import Sketches
+from gradtap._per_sample.sketch import Sketches, pair
 from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
@@ -259,9 +259,9 @@ class PerSample:
         self._step_sum_sq: dict[str, Tensor] = {}
         self._step_total: dict[str, Tensor] = {}
         self._step_pg: dict[str, Tensor] = {}  # the calls' own contributions (not materialized)
-        # What this backward adds to each .grad, times its projection where the check is
-        # sketched: keeping no reference to a wide gradient lets autograd accumulate it into
-        # .grad without a copy.
+        # What this backward adds to each .grad; where the check is sketched, its projection
+        # unless it is the very tensor kept as a call's contribution (_step_pg): keeping no
+        # reference to a wide gradient lets autograd move it into .grad without a copy.
         self._increments: dict[str, Tensor] = {}
         self._largest_norm: float | None = None
         self._late: dict[str, tuple[str, str]] = {}  # found in backward: qual -> (module, why)
@@ -438,11 +438,16 @@ class PerSample:
             return
         self._queue_end()
         self._autograd_seen.add(qual)
-        if qual in self._sketches:
-            with torch.no_grad():
+        with torch.no_grad():
+            if qual in self._sketches and self._step_pg.get(qual) is not grad:
                 grad = self._sketches.project(qual, grad)
-        if qual in self._increments:  # the parameter's hook ran twice (reentrant checkpoint)
-            grad = self._increments[qual] + grad
+            self._add_increment(qual, grad)  # twice: a reentrant checkpoint
+
+    def _add_increment(self, qual: str, grad: Tensor) -> None:
+        inc = self._increments.get(qual)
+        if inc is not None:
+            inc, grad = pair(self._sketches, qual, inc, grad)
+            grad = inc + grad
         self._increments[qual] = grad
 
     def _mark_late(self, quals: Iterable[str], module: str, reason: str) -> None:
@@ -564,9 +569,7 @@ class PerSample:
                     g = (g * c).to(self._params[q].dtype)
                     shares[q] = g
                     self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
-                    inc = self._increments.get(q)
-                    g_check = self._sketches.project(q, g)
-                    self._increments[q] = g_check if inc is None else inc + g_check
+                    self._add_increment(q, g)
                 if not materialize:
                     self._add_reduced(names, compute, rec, scale, shares)
         except CannotReplay as err:
@@ -618,7 +621,7 @@ class PerSample:
         for rel, qual in names.items():
             g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
             if g is not None:
-                self._step_pg[qual] = self._sketches.project(qual, g)
+                self._step_pg[qual] = g
                 if self._want_var:
                     self._step_total[qual] = g * scale
 
@@ -679,15 +682,17 @@ class PerSample:
                 sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     inc = self._increments.get(q)
-                    rows[q] = (a, torch.zeros_like(a) if inc is None else inc,
-                               self._step_grad[q])
+                    a, inc = (a, torch.zeros_like(a)) if inc is None else pair(
+                        self._sketches, q, a, inc)
+                    rows[q] = (a, inc, self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
                 pg = self._step_pg.get(q)
                 inc = self._increments.get(q)
                 if pg is None:
-                    pg = (torch.zeros_like(inc) if inc is not None
-                          else self._sketches.project(q, torch.zeros_like(self._params[q])))
-                rows[q] = (pg, torch.zeros_like(pg) if inc is None else inc, None)
+                    pg = torch.zeros_like(self._params[q] if inc is None else inc)
+                pg, inc = (pg, torch.zeros_like(pg)) if inc is None else pair(
+                    self._sketches, q, pg, inc)
+                rows[q] = (pg, inc, None)
         return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")
@@ -737,8 +742,8 @@ class PerSample:
                         tried[q].append(f"{where}: {err}")
                     continue
                 with torch.no_grad():
-                    rows = {q: (self._sketches.project(q, result[q].sum(0) * c),
-                                self._increments[q], result[q]) for q in quals}
+                    rows = {q: (*pair(self._sketches, q, result[q].sum(0) * c,
+                                      self._increments[q]), result[q]) for q in quals}
                 wrong = mismatches(rows, self._params, c, self._largest)
                 for q in quals:
                     if q in wrong:

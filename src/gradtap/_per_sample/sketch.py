@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gradtap._per_sample.owners import Owner
 
-__all__ = ["K", "Sketches"]
+__all__ = ["K", "Sketches", "pair"]
 
 #: Columns of the projection.
 K = 16
@@ -56,8 +56,9 @@ class Sketches:
         return _matrix(*self._shape[qual])
 
     def project(self, qual: str, t: Tensor) -> Tensor:
-        """``t`` (``param.shape``) times ``R`` of ``qual``; ``t`` itself when not sketched."""
-        if qual not in self._shape:
+        """``t`` (``param.shape``) times ``R`` of ``qual``; ``t`` itself when not sketched or
+        already projected (``[rows, K]``: a sketched parameter has more than ``2 K`` columns)."""
+        if qual not in self._shape or (t.dim() == 2 and t.shape[1] == K):
             return t
         r = self.matrix(qual)
         dense = t if t.layout == torch.strided else t.to_dense()
@@ -73,6 +74,13 @@ def _gaussian(cols: int) -> Tensor:
 @functools.lru_cache(maxsize=64)
 def _matrix(cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _gaussian(cols).to(device=device, dtype=dtype)
+
+
+def pair(sketches: Sketches, qual: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` comparable: both projected when one of them is."""
+    if a.shape == b.shape:
+        return a, b
+    return sketches.project(qual, a), sketches.project(qual, b)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
