@@ -27,10 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "child_json", "interleaved", "machine", "markdown_table", "paired",
-           "peak_memory_mib", "rss_bytes", "steps_for"]
+__all__ = ["NO_TRIM_ENV", "Timing", "allocator", "child_json", "interleaved", "machine",
+           "markdown_table", "paired", "peak_memory_mib", "rss_bytes", "steps_for"]
 
 Step = Callable[[], object]
+
+#: glibc malloc tunables: never return freed heap memory to the OS, never mmap a block (read
+#: when a process starts: a table under them runs in a child process).
+NO_TRIM_ENV = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**31)}
+
+
+def allocator() -> str:
+    """Which allocator this process runs under, in words."""
+    if all(os.environ.get(k) == v for k, v in NO_TRIM_ENV.items()):
+        return "glibc malloc, no trim (" + ", ".join(f"{k}={v}" for k, v in NO_TRIM_ENV.items()) + ")"
+    return "default allocator"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,11 @@ three steps minus the resident size before the model was built, so what a method
 between steps counts; the peak is reset (``/proc/self/clear_refs``) after two warmup steps,
 and freed heap memory is returned (``malloc_trim``) before the build and before the reset.
 Without ``--quick`` each configuration's memory is measured in its own fresh subprocess; with
-``--quick`` in this process (a smoke test of the script). The ResNet's blocks run out of place (``out = out +
+``--quick`` in this process (a smoke test of the script). With ``--allocator both`` (the
+default) the timings are taken twice: under the default allocator, where every step gets its
+``[N, *shape]`` tensors fresh from the OS (on the MLP most of a gradients row is the first
+touch of those pages), and, time only, in a child process under glibc malloc without trimming
+(``_harness.NO_TRIM_ENV``: freed memory stays in the process, as with jemalloc or tcmalloc). The ResNet's blocks run out of place (``out = out +
 identity``, ``ReLU(inplace=False)``): both anchors raise on in-place ops after hooked modules.
 
 ``--methods`` prints, instead, the measurements behind the convolution rule's choice between
@@ -30,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -42,7 +48,15 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradtap as gt  # noqa: E402
-from _harness import child_json, interleaved, machine, markdown_table, peak_memory_mib  # noqa: E402
+from _harness import (  # noqa: E402
+    NO_TRIM_ENV,
+    allocator,
+    child_json,
+    interleaved,
+    machine,
+    markdown_table,
+    peak_memory_mib,
+)
 from gradtap import examples  # noqa: E402
 
 MODELS = ("mlp", "cnn", "resnet18_gn", "transformer")
@@ -280,14 +294,17 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def run_model(model_name: str, quick: bool) -> str:
+def run_model(model_name: str, quick: bool, memory_too: bool = True) -> str:
     """Measure every method on one model; return its markdown table (with a title line)."""
     _, _, _, desc = workload(model_name, quick)
     steps: dict[str, Step] = {}
     notes: dict[str, str] = {}
     memory: dict[str, float | None] = {}
     for method in METHODS:
-        if quick:  # memory from this very build, in this process
+        if not memory_too:
+            step, notes[method], _ = build(method, model_name, quick)
+            memory[method] = None
+        elif quick:  # memory from this very build, in this process
             step, notes[method], memory[method] = measured_build(method, model_name, quick)
         else:
             step, notes[method], _ = build(method, model_name, quick)
@@ -310,6 +327,8 @@ def run_model(model_name: str, quick: bool) -> str:
             notes[method],
         ])
     header = ["method", "ms / step", "x plain", "peak MiB", "x plain", "note"]
+    if not memory_too:
+        header, rows = header[:3] + header[5:], [r[:3] + r[5:] for r in rows]
     return f"**{model_name}**: {desc}\n\n" + markdown_table(header, rows)
 
 
@@ -355,25 +374,40 @@ def main(argv: list[str] | None = None) -> str:
                         help="time the conv rule's unfold and conv formulations instead")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--allocator", choices=("default", "no-trim", "both"), default="both",
+                        help="time under the default allocator, glibc without trimming (time "
+                        "only), or both (default)")
     parser.add_argument("--_memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    parser.add_argument("--_time-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._memory:
         _, _, peak = measured_build(args._memory[1], args._memory[0], False)
         print(json.dumps({"peak_mib": peak}))
         return ""
-    print(machine(), flush=True)
     if args.methods:
+        print(machine(), flush=True)
         text = conv_methods(args.quick)
         print(text, flush=True)
         return text
     tables = []
-    for name in args.models.split(","):
-        with warnings.catch_warnings():
-            # The anchors warn about modules they skip (the note column says so) and about
-            # full backward hooks on the first layer; torch.func about ops run as loops.
-            warnings.simplefilter("ignore")
-            tables.append(run_model(name, args.quick))
-        print(tables[-1] + "\n", flush=True)
+    if args.allocator in ("default", "both"):
+        tables.append(f"{machine()}, {allocator()}" + (", time only" if args._time_only else ""))
+        print(tables[-1], flush=True)
+        for name in args.models.split(","):
+            with warnings.catch_warnings():
+                # The anchors warn about modules they skip (the note column says so) and about
+                # full backward hooks on the first layer; torch.func about ops run as loops.
+                warnings.simplefilter("ignore")
+                tables.append(run_model(name, args.quick, memory_too=not args._time_only))
+            print(tables[-1] + "\n", flush=True)
+    if args.allocator in ("no-trim", "both"):
+        # The tunables are read when a process starts: the timings run in a child process.
+        cmd = [sys.executable, __file__, "--allocator", "default", "--_time-only",
+               "--models", args.models] + (["--quick"] if args.quick else [])
+        child = subprocess.run(cmd, env={**os.environ, **NO_TRIM_ENV}, check=True,
+                               capture_output=True, text=True)
+        print(child.stdout, end="", flush=True)
+        tables.append(child.stdout.strip())
     return "\n\n".join(tables)
 
 

@@ -39,10 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _harness import Timing, interleaved, machine, markdown_table  # noqa: E402
+from _harness import NO_TRIM_ENV, Timing, allocator, interleaved, machine, markdown_table  # noqa: E402
 
-# glibc malloc tunables: never return freed heap memory to the OS, never mmap a block.
-NO_TRIM_ENV = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**31)}
 HEADER = ["model", "plain step", "no-op full_backward_hook on every leaf",
           "hand-written hooks keeping the same gradients", "gt.tap on every module"]
 
@@ -129,9 +127,7 @@ def _table(args: argparse.Namespace) -> str:
             return f"{v.seconds * 1e3:.2f} ms ({v.ratio:.2f}x), {v.faults:.0f} faults"
 
         rows.append([label, cell(t["plain"]), cell(t["hooks"]), cell(t["kept"]), cell(t["tap"])])
-    malloc = "glibc malloc, no trim (" + ", ".join(f"{k}={v}" for k, v in NO_TRIM_ENV.items()) + \
-        ")" if all(os.environ.get(k) == v for k, v in NO_TRIM_ENV.items()) else "default allocator"
-    print(f"{machine()}, {malloc}; median of {rounds} interleaved rounds of {steps} steps "
+    print(f"{machine()}, {allocator()}; median of {rounds} interleaved rounds of {steps} steps "
           "each; ratio = median over rounds of the variant's time over the plain step's in the "
           "same round; faults = minor page faults per step", flush=True)
     table = markdown_table(HEADER, rows)
