@@ -399,6 +399,39 @@ def test_activation_checkpointing_adds_no_duplicates():
     assert sorted(r.module_name for r in t.records) == sorted(t.names)
 
 
+class CheckpointedSelfAttention(nn.Module):
+    """``attn(h, h, h)`` inside a non-reentrant checkpoint: the tap aliases the repeated
+    argument, and the recomputation in backward must do the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        a = checkpoint(lambda h: self.attn(h, h, h, need_weights=False)[0], x,
+                       use_reentrant=False)
+        return self.out(a)
+
+
+def test_checkpoint_recomputes_a_call_with_a_repeated_argument_as_the_forward_did():
+    torch.manual_seed(0)
+    m = CheckpointedSelfAttention()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with gt.tap(m, select=["attn", "out"]) as t:
+        m(x).pow(2).sum().backward()
+    (rec,) = t.find("attn")
+    # Oracle: torch.autograd.grad at the call's boundary, without a tap.
+    params = dict(m.attn.named_parameters())
+    y = m(x)
+    grads = torch.autograd.grad(y.pow(2).sum(), [x, *params.values()])
+    torch.testing.assert_close(rec.grad_inputs["query"] + rec.grad_inputs["key"]
+                               + rec.grad_inputs["value"], grads[0])
+    for (name, _), g in zip(params.items(), grads[1:], strict=True):
+        torch.testing.assert_close(rec.param_grads[name], g, msg=name)
+    torch.testing.assert_close(t.find("out")[0].grad_outputs["output"], 2 * y.detach())
+
+
 def test_create_graph_and_double_backward():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))

@@ -327,6 +327,20 @@ def test_checkpoint_recomputation_uses_the_parameters_as_the_forward_did():
         close(ps.grad[k], ref[k], f"grad {k}")
 
 
+def test_checkpointed_attention_without_own_grad():
+    # The tap gives attn(h, h, h)'s repeated argument an alias; the checkpoint's recomputation
+    # gets the same one, so it saves the tensors the forward saved.
+    model, b = Checkpointed(), batch()
+    expected = autograd_grads(model, loss_of, b)
+    ref = loop(model, b)
+    model.zero_grad(set_to_none=True)
+    with gt.per_sample(model) as ps:
+        loss_of(model, b).backward()
+    for k, p in model.named_parameters():
+        close(p.grad, expected[k], f".grad {k}")
+        close(ps.grad[k], ref[k], f"grad {k}")
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_attention_dropout_in_training_draws_the_modules_own_masks(need_weights):
     # The own forward is the module's function, random draws included: with the same seed

@@ -24,33 +24,44 @@ from torch.autograd.graph import get_gradient_edge
 from gradtap.capture.backward import base_prehook, boundary_sink, node_posthook, output_prehook
 from gradtap.capture.boundary import Region, alias, mark_boundary
 from gradtap.capture.graph import PARAM, walk_call
-from gradtap.capture.naming import flat_arguments
+from gradtap.capture.naming import ModuleInfo, flat_arguments
 from gradtap.capture.state import Call, Recorder
 from gradtap.record import flatten_tensors, map_tensors
 
-__all__ = ["note_inputs", "note_outputs"]
+__all__ = ["alias_repeated", "note_inputs", "note_outputs"]
+
+
+def alias_repeated(info: ModuleInfo, args: tuple, kwargs: dict) -> tuple | None:
+    """``(args, kwargs)`` with each later occurrence of a tensor passed twice replaced by an
+    alias of it (a view), so that each argument's gradient can be told apart; None when no
+    tensor is passed twice.
+
+    The module then sees distinct tensors (``nn.MultiheadAttention`` called as
+    ``attn(h, h, h)`` takes its path for separate query, key and value): an activation
+    checkpoint's recomputation of the call must get the same aliases (``taps``).
+    """
+    flat = flat_arguments(info, args, kwargs)
+    if len(flat) < 2 or len({id(t) for _, t in flat}) == len(flat):
+        return None
+    seen: set[int] = set()
+
+    def alias_repeat(t: Tensor) -> Tensor:
+        if id(t) in seen and t.requires_grad:
+            return t.view_as(t)
+        seen.add(id(t))
+        return t
+
+    return map_tensors(args, alias_repeat), map_tensors(kwargs, alias_repeat)
 
 
 def note_inputs(rec: Recorder, call: Call, args: tuple, kwargs: dict) -> tuple | None:
     """Note the call's arguments (keys, graph edges, kept copies); returns replaced
     ``(args, kwargs)`` when a tensor passed twice needs an alias, else None."""
     info = call.info
+    replaced = alias_repeated(info, args, kwargs)
+    if replaced is not None:
+        args, kwargs = replaced
     flat = flat_arguments(info, args, kwargs)
-    replaced = None
-    if len(flat) > 1 and len({id(t) for _, t in flat}) < len(flat):
-        # The same tensor passed twice: give each later occurrence its own alias node so
-        # each argument's gradient can be told apart.
-        seen: set[int] = set()
-
-        def alias_repeat(t: Tensor) -> Tensor:
-            if id(t) in seen and t.requires_grad:
-                return t.view_as(t)
-            seen.add(id(t))
-            return t
-
-        args, kwargs = map_tensors(args, alias_repeat), map_tensors(kwargs, alias_repeat)
-        replaced = (args, kwargs)
-        flat = flat_arguments(info, args, kwargs)
     if rec.on_forward is not None:
         call.fwd_inputs = dict(flat)
     grad_inputs, input_edges = call.grad_inputs, call.input_edges

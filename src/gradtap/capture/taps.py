@@ -22,7 +22,7 @@ from torch import nn
 from gradtap._types import KeepLiteral, Selector
 from gradtap.capture.compiled import run_eagerly
 from gradtap.capture.engine import next_sequence_nr
-from gradtap.capture.forward import note_inputs, note_outputs
+from gradtap.capture.forward import alias_repeated, note_inputs, note_outputs
 from gradtap.capture.hookset import HookSet
 from gradtap.capture.listener import Listener
 from gradtap.capture.naming import ModuleInfo
@@ -123,12 +123,16 @@ class Tap:
         open_calls: list[Call | None] = []  # a stack: a module may call itself recursively
 
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
-            # Cheapest guards first. Forward calls made while a backward runs are activation
-            # checkpoint recomputations: their graph is only used to refill saved tensors.
-            if (not (rec.enabled and torch.is_grad_enabled()) or in_recomputation()
-                    or stands_aside(rec.listener)):
+            # Cheapest guards first.
+            if not (rec.enabled and torch.is_grad_enabled()) or stands_aside(rec.listener):
                 open_calls.append(None)
                 return None
+            if in_recomputation():
+                # An activation checkpoint's recomputation: nothing to record (its graph only
+                # refills saved tensors), but it must compute as the forward did, aliases
+                # included, or the checkpoint finds other tensors saved.
+                open_calls.append(None)
+                return alias_repeated(info, args, kwargs)
             call = Call(info, info.calls)
             info.calls += 1
             if info.sharded:  # FSDP2 has swapped its unsharded parameters in by now
