@@ -21,10 +21,10 @@ by parameter name relative to the module, for the names asked:
   (``[param.shape[1:].numel(), k]``) without building the batch gradient, for the check at the
   end of backward (``gradtap._per_sample.sketch``).
 
-``norm_sq``, ``sum_sq``, ``total`` and ``total_sketch`` are optional fast paths: without them the quantity is
+``norm_sq``, ``sum_sq`` and ``total`` are optional fast paths: without them the quantity is
 reduced from ``grad`` chunk by chunk over samples (:meth:`PerSampleRule.norm_sq_of`,
 :meth:`PerSampleRule.sum_sq_of`, :meth:`PerSampleRule.total_of`), so the temporary stays
-within :func:`budget`.
+within :func:`budget`. ``total_sketch`` is optional too: without it the check uses ``total``.
 
 A module whose parameters all act as linear maps inside a more complex call (attention) can
 instead give ``pieces``, a function of the whole call,

@@ -2,9 +2,8 @@
 
 After each backward, ``per_sample`` checks that every parameter's per-sample gradients add up
 to what that backward added to its ``.grad`` (``units.mismatches``). For a Linear weight,
-``sum_n g_n = B^T A`` costs as much as autograd's own weight gradient: computed a second time
-only to be compared, it was the largest part of the overhead of per-sample gradients on an
-MLP. For such parameters (2-D, held by a module whose rule has ``total_sketch``) the check
+``sum_n g_n = B^T A`` costs as much as autograd's own weight gradient, a second matrix
+product computed only to be compared. For such parameters (2-D, held by a module whose rule has ``total_sketch``) the check
 compares ``(sum_n g_n) R`` with ``increment R`` instead, ``R`` a fixed
 ``[param.shape[1], K]`` Gaussian matrix scaled by ``1/sqrt(K)``, so that
 ``E |M R|^2 = |M|^2`` for every ``M``; ``B^T (A R)`` costs ``K`` multiply-adds per element of

@@ -118,8 +118,8 @@ def total_linear(
 def sketch_linear(
     module: nn.Module | None, inp: Tensor, grad_out: Tensor, names: frozenset[str], r: Tensor
 ) -> dict[str, Tensor]:
-    """``(sum_n g_n) @ r`` for the weight, as ``b^T (a r)``: ``rows x k`` multiply-adds per
-    row instead of ``rows x in_features``."""
+    """``(sum_n g_n) @ r`` for the weight, as ``b^T (a r)``: ``k`` multiply-adds per element
+    of the input and of the output gradient, instead of the matrix product ``b^T a``."""
     if "weight" not in names:
         return {}
     a = inp.reshape(-1, inp.shape[-1]).to(r.dtype)
