@@ -40,7 +40,9 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _wrap(mode: str, model: nn.Module) -> nn.Module:
+def wrap(mode: str, model: nn.Module) -> nn.Module:
+    """``model`` under DDP, or each Linear and the whole under FSDP2 (``"fsdp"``: one mesh
+    dim; ``"hsdp"``: replicate x shard)."""
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,7 +98,7 @@ def monitor_run(rank: int, world: int, mode: str, out: str) -> dict:
     from gradtap._tensorops import STAT_NAMES
 
     model = build()
-    wrapped = _wrap(mode, model)
+    wrapped = wrap(mode, model)
     x, y = data()
     per = BATCH // world
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -158,7 +160,7 @@ def amp_nonfinite(rank: int, world: int) -> dict:
     import gradtap as gt
 
     model = build().float()
-    _wrap("fsdp", model)
+    wrap("fsdp", model)
     x, y = data()
     per = BATCH // world
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import gradtap as gt
+from gradtap._detect._detector import Detector
 
 SCALE = 1024.0
 
@@ -407,21 +408,27 @@ def test_detect_forward_nan_still_raises_under_a_scaler():
     assert det.anomalies[0].kind == "nan" and det.anomalies[0].where == "forward"
 
 
-def test_detect_spikes_on_unscaled_norms():
-    # The scale grows 2x every step (growth_interval=1): on scaled norms that is a spike of
-    # 2 each step; on unscaled ones the norms are those of a run without a scaler.
-    model = _model(9)
+def _growing_scale_steps(model: nn.Module, det: Detector, scaler: torch.amp.GradScaler,
+                         x: torch.Tensor) -> None:
+    """Six SGD steps through ``scaler`` (its scale doubling each step), ``det.step()`` each."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
-    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record",
-                    scaler=scaler)
-    x = torch.randn(8, 6)
     for _ in range(6):
         scaler.scale(_loss(model, x)).backward()
         scaler.step(opt)
         scaler.update()
         det.step()
         opt.zero_grad()
+
+
+def test_detect_spikes_on_unscaled_norms():
+    # The scale grows 2x every step (growth_interval=1): on scaled norms that is a spike of
+    # 2 each step; on unscaled ones the norms are those of a run without a scaler.
+    model = _model(9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record",
+                    scaler=scaler)
+    x = torch.randn(8, 6)
+    _growing_scale_steps(model, det, scaler, x)
     assert det.anomalies == []
     assert scaler.get_scale() == SCALE * 2 ** 6
     mean, _ = det.ewma("2", "param_grad")
@@ -434,15 +441,8 @@ def test_detect_spikes_on_unscaled_norms():
 def test_detect_without_scaler_sees_the_growing_scale_as_spikes():
     # The test above can fail: without scaler= the doubling scale is a spike.
     model = _model(9)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
     det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record")
-    x = torch.randn(8, 6)
-    for _ in range(6):
-        scaler.scale(_loss(model, x)).backward()
-        scaler.step(opt)
-        scaler.update()
-        det.step()
-        opt.zero_grad()
+    _growing_scale_steps(model, det, scaler, torch.randn(8, 6))
     assert {a.kind for a in det.anomalies} == {"spike"}
     det.remove()

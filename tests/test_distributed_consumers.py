@@ -13,6 +13,7 @@ from torch import nn
 
 import gradtap as gt
 from tests._dist import gloo_available, run_ranks
+from tests._dist_monitor import wrap
 
 needs_gloo = pytest.mark.skipif(not gloo_available(),
                                 reason="torch.distributed with gloo is not in this torch build")
@@ -224,18 +225,6 @@ def test_ddp_records_detect_agreement_and_replay():
 
 # -- FSDP2 ----------------------------------------------------------------------------------------
 
-def _shard(net: nn.Module, world: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for m in net:
-        if isinstance(m, nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    return net
-
-
 def _full_grads(net: nn.Module) -> dict[str, torch.Tensor]:
     """Whole gradients (a sharded one gathered: the test's own all-gather)."""
     return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
@@ -261,7 +250,7 @@ def _transform_steps(net, handle_rules, world, rank, steps=1, opt_lr=0.0, inner=
 def _fsdp_worker(rank: int, world: int) -> dict:
     result: dict = {}
     plain = _mlp()
-    net = _shard(_mlp(), world)
+    net = wrap("fsdp", _mlp())
     x_all, y_all = _data(world)
     x, y = x_all[rank * BATCH:(rank + 1) * BATCH], y_all[rank * BATCH:(rank + 1) * BATCH]
 

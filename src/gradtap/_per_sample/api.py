@@ -585,13 +585,12 @@ class PerSample:
                       names: dict[str, str]) -> dict[str, Tensor]:
         """What the end-of-backward check compares of one call: ``sum_n g_n`` per name, times
         its projection where the check is sketched (``_per_sample.sketch``)."""
-        sketched = {rel for rel in grads if names[rel] in self._sketches}
         out: dict[str, Tensor] = {}
-        if (sketched and isinstance(compute, RuleCompute)
-                and compute.rule.total_sketch is not None):
-            first = self._sketches.matrix(names[next(iter(sketched))])
-            if all(self._sketches.matrix(names[rel]) is first for rel in sketched):
-                out = compute.sketch(frozenset(sketched), first)
+        if isinstance(compute, RuleCompute) and compute.rule.total_sketch is not None:
+            for rel in grads:
+                if names[rel] in self._sketches:
+                    out.update(compute.sketch(frozenset({rel}),
+                                              self._sketches.matrix(names[rel])))
         rest = {rel: g for rel, g in grads.items() if rel not in out}
         if rest:
             out.update((rel, self._sketches.project(names[rel], t))

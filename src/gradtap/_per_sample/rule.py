@@ -192,24 +192,23 @@ class PerSampleRule:
         """``sum_n g_n**2``: the fast path, or ``grad`` a chunk of samples at a time."""
         if self.sum_sq is not None:
             return self.sum_sq(module, inp, grad_out, names)
-        assert self.grad is not None
-        out: dict[str, Tensor] = {}
-        for sl in chunks(inp.shape[0], _numel(module, names), budget(inp, grad_out)):
-            for k, g in self.grad(module, inp[sl], grad_out[sl], names).items():
-                s = g.square().sum(0)
-                out[k] = s if k not in out else out[k].add_(s)
-        return out
+        return self._summed(module, inp, grad_out, names, lambda g: g.square().sum(0))
 
     def total_of(self, module: nn.Module, inp: Tensor, grad_out: Tensor,
                  names: frozenset[str]) -> dict[str, Tensor]:
         """``sum_n g_n``: the fast path, or ``grad`` a chunk of samples at a time."""
         if self.total is not None:
             return self.total(module, inp, grad_out, names)
+        return self._summed(module, inp, grad_out, names, lambda g: g.sum(0))
+
+    def _summed(self, module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str],
+                reduce: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+        """``sum`` over chunks of samples of ``reduce`` (a sum over dim 0) of ``grad``'s."""
         assert self.grad is not None
         out: dict[str, Tensor] = {}
         for sl in chunks(inp.shape[0], _numel(module, names), budget(inp, grad_out)):
             for k, g in self.grad(module, inp[sl], grad_out[sl], names).items():
-                s = g.sum(0)
+                s = reduce(g)
                 out[k] = s if k not in out else out[k].add_(s)
         return out
 

@@ -46,6 +46,12 @@ def _keys(module: nn.Embedding, idx: Tensor) -> Tensor:
     return (idx + offsets[:, None]).flatten()
 
 
+def _rows_added(rows: int, keys: Tensor, b: Tensor) -> Tensor:
+    """``[rows, D]`` zeros with each row of ``b`` (``[..., D]``) added onto row ``keys[i]``."""
+    d = b.shape[-1]
+    return b.new_zeros(rows, d).index_add_(0, keys, b.reshape(-1, d))
+
+
 def grad_embedding(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -55,8 +61,7 @@ def grad_embedding(
     module = cast(nn.Embedding, module)
     idx, b = _flat(module, inp, grad_out)
     n, _, d = b.shape
-    g = b.new_zeros(n * module.num_embeddings, d)
-    g.index_add_(0, _keys(module, idx), b.reshape(-1, d))
+    g = _rows_added(n * module.num_embeddings, _keys(module, idx), b)
     return {"weight": g.view(n, module.num_embeddings, d)}
 
 
@@ -103,7 +108,6 @@ def sum_sq_embedding(
     return {"weight": out}
 
 
-#: ``nn.Embedding``: norms and sums of squares from the touched rows only.
 def total_embedding(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -112,11 +116,10 @@ def total_embedding(
         return {}
     module = cast(nn.Embedding, module)
     idx, b = _flat(module, inp, grad_out)
-    d = b.shape[-1]
-    g = b.new_zeros(module.num_embeddings, d)
-    return {"weight": g.index_add_(0, idx.flatten(), b.reshape(-1, d))}
+    return {"weight": _rows_added(module.num_embeddings, idx.flatten(), b)}
 
 
+#: ``nn.Embedding``: norms and sums of squares from the touched rows only.
 EMBEDDING = PerSampleRule(grad=grad_embedding, norm_sq=norm_embedding, sum_sq=sum_sq_embedding,
                           total=total_embedding, total_cost=lambda inp, go: go.numel(),
                           check=check_embedding)
