@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from gradtap import _tensorops as ops
+from gradtap.capture import compat
 
-__all__ = ["flag_nonfinite_", "measurable", "nonfinite_flags", "norms", "to_host"]
+__all__ = ["measurable", "nonfinite_flags", "norms", "to_host"]
 
 
 def measurable(g: Tensor) -> bool:
@@ -52,7 +53,7 @@ def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
     """For each non-empty list of tensors sharing one device and dtype, a 0-d float32 tensor
     on that device: 1 if any element of the list is NaN or +-Inf, else 0. No host sync.
 
-    For float32 and float64, one fused pass a list (:func:`flag_nonfinite_`), without one
+    For float32 and float64, one fused pass a list (``capture.compat.flag_nonfinite_``), without one
     output per tensor. Other lists, and those the kernel refuses (an inference tensor, a moved
     tensor), have their foreach norms summed instead: for float16 and bfloat16 the kernel goes
     through float32 and back, which can change the sign or payload bits of a NaN.
@@ -63,58 +64,11 @@ def nonfinite_flags(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
             continue
         head = group[0]
         found = torch.zeros((), dtype=torch.float32, device=head.device)
-        if flag_nonfinite_(group, found):
+        if compat.flag_nonfinite_(group, found):
             flags.append(found)
         else:
             flags.append(_flag_from_norms(group, head.device))
     return flags
-
-
-def flag_nonfinite_(group: Sequence[Tensor], found: Tensor) -> bool:
-    """Set ``found`` (a 0-d float32 tensor on the tensors' device) to 1 if an element of
-    ``group`` (float32 or float64 tensors of one dtype) is NaN or +-Inf; leave it alone
-    otherwise. One fused pass, no output per tensor, no host sync. False when the list is not
-    such a list or the kernel refuses it (``found`` then says nothing).
-
-    The pass is the check torch's GradScaler runs (``_amp_foreach_non_finite_check_and_unscale_``)
-    with an inverse scale of exactly 1, for which it writes every value back as it was, bit for
-    bit. Where that kernel moves version counters (which autograd checks), it goes through
-    ``.data`` aliases, so that the tensors' own counters do not move.
-    """
-    if not group:
-        return True
-    dtypes = {t.dtype for t in group}
-    if len(dtypes) != 1 or group[0].dtype not in (torch.float32, torch.float64):
-        return False  # e.g. a part of the model cast since the list was formed
-    one = _ONES.get(found.device)
-    if one is None:
-        one = _ONES[found.device] = torch.ones((), dtype=torch.float32, device=found.device)
-    tensors = (group if isinstance(group, list) else list(group)) if not _kernel_moves_versions() \
-        else [t.data for t in group]
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-#: The inverse scale of 1 that :func:`flag_nonfinite_` passes, one per device (never written).
-_ONES: dict[torch.device, Tensor] = {}
-_MOVES_VERSIONS: list[bool] = []
-
-
-def _kernel_moves_versions() -> bool:
-    """Whether the fused check moves its tensors' version counters in this build of torch
-    (asked once, on a tensor of its own)."""
-    if not _MOVES_VERSIONS:
-        probe = torch.zeros(1)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_([probe], torch.zeros(1),
-                                                             torch.ones(1))
-        except (RuntimeError, NotImplementedError):
-            return True  # the callers' pass will be refused too; ask again next time
-        _MOVES_VERSIONS.append(probe._version != 0)
-    return _MOVES_VERSIONS[0]
 
 
 def _flag_from_norms(group: Sequence[Tensor], device: torch.device) -> Tensor:

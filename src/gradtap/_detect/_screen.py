@@ -43,6 +43,7 @@ from gradtap.capture import (
     HookSet,
     OncePerBackward,
     argument_tensors,
+    compat,
     compiled_feature,
     in_recomputation,
     run_eagerly,
@@ -431,7 +432,7 @@ class Screen:
             if found is not None:
                 return found
         grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # no graph for the reductions
+        compat.set_grad_enabled(False)  # no graph for the reductions
         try:
             lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             vectors: list[Tensor] = []
@@ -462,7 +463,7 @@ class Screen:
                     flag = self._flags[device] = torch.zeros((), dtype=torch.float32,
                                                              device=device)
                 flags.append(flag)
-                if not _host.flag_nonfinite_(tensors, flag):
+                if not compat.flag_nonfinite_(tensors, flag):
                     self._reset_flags()
                     return False
             n_flags = len(flags)
@@ -470,7 +471,7 @@ class Screen:
                 flags += [*vectors, *(s.reshape(1) for _, s in summed)]
             host = _host.to_host(flags)
         finally:
-            torch._C._set_grad_enabled(grad_mode)
+            compat.set_grad_enabled(grad_mode)
         for h in host[:n_flags]:
             if h.item() != 0:
                 self._reset_flags()
@@ -535,18 +536,18 @@ class Screen:
             if t.dtype != dtype or t.device != device:
                 return None
         grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # no graph for the reductions
+        compat.set_grad_enabled(False)  # no graph for the reductions
         try:
             sums = [t.sum() for t in refs]
             if self.norms_mode:
                 norms = self._grad_norms(grads)
-                ok = _host.flag_nonfinite_([norms, *sums], flag)
+                ok = compat.flag_nonfinite_([norms, *sums], flag)
                 host = _host.to_host([flag, norms])
             else:
-                ok = _host.flag_nonfinite_(grads + sums, flag)
+                ok = compat.flag_nonfinite_(grads + sums, flag)
                 host = _host.to_host([flag])
         finally:
-            torch._C._set_grad_enabled(grad_mode)
+            compat.set_grad_enabled(grad_mode)
         if ok and host[0].item() == 0:
             if self.norms_mode:
                 self.param_norms = (params, host[1].astype(np.float64))

@@ -48,7 +48,7 @@ from gradtap._detect._messages import (
     spike_anomaly,
 )
 from gradtap._detect._spikes import SpikeTracker
-from gradtap.capture import Listener, OncePerBackward, graph_nodes, saved_tensors, tap
+from gradtap.capture import Listener, OncePerBackward, compat, graph_nodes, saved_tensors, tap
 from gradtap.record import GradRecord
 from gradtap.select import unwrap_model
 
@@ -139,7 +139,7 @@ class CallWatch(Listener):
         seen = m.seen
         ins: list[tuple[str, int]] = []
         grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # the measurements must not enter the graph
+        compat.set_grad_enabled(False)  # the measurements must not enter the graph
         try:
             for key, t in inputs.items():
                 hit = seen.get(id(t))
@@ -153,7 +153,7 @@ class CallWatch(Listener):
             outs = [(key, m.measure(t)) for key, t in outputs.items()
                     if t.is_floating_point() and t.numel()]
         finally:
-            torch._C._set_grad_enabled(grad_mode)
+            compat.set_grad_enabled(grad_mode)
         kept = None
         if self.keep_forward:
             kept = {"inputs": {k: t.detach() for k, t in inputs.items()},

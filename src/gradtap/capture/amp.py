@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.amp.grad_scaler import OptState
+
+from gradtap.capture import compat
 
 __all__ = ["ScalerWatch", "around_any_scaler_step", "check_scaler"]
 
@@ -79,9 +80,7 @@ class _Tracker:
                 self.unscaled = set()
                 self.found = {}
                 self.fused = {}
-            current = getattr(self.scaler, "_scale", None)  # absent when disabled
-            if current is not None:
-                self.scale = current.detach().reshape(()).clone()
+            self.scale = compat.scaler_scale(self.scaler).clone()
             return out
 
         return scale
@@ -105,7 +104,7 @@ class _Tracker:
                 return out
             self._note_found(optimizer)
             found = self.found.get(id(optimizer))
-            if (getattr(optimizer, "_step_supports_amp_scaling", False) and found is not None
+            if (compat.steps_with_scale(optimizer) and found is not None
                     and self.scale is not None):
                 # The fused step unscaled the gradients it did not unscale before, unless
                 # it was skipped: the factor left is scale on a skipped step, else 1.
@@ -124,8 +123,7 @@ class _Tracker:
                 original(new_scale)
                 return
             # update() sums the found_inf tensors in place: keep copies first.
-            for key, state in self.scaler._per_optimizer_states.items():
-                found = list(state["found_inf_per_device"].values())
+            for key, found in compat.scaler_found_infs(self.scaler).items():
                 if found:
                     self.found[key] = _total(found)
             original(new_scale)
@@ -134,9 +132,9 @@ class _Tracker:
         return update
 
     def _note_found(self, optimizer: torch.optim.Optimizer) -> None:
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        if state is not None and state["found_inf_per_device"]:
-            self.found[id(optimizer)] = _total(list(state["found_inf_per_device"].values()))
+        state = compat.scaler_optimizer_state(self.scaler, optimizer)
+        if state is not None and state[0]:
+            self.found[id(optimizer)] = _total(state[0])
 
 
 class _Wrapper:
@@ -240,10 +238,7 @@ class ScalerWatch:
         t = self._tracker
         if t is not None and t.scale is not None:
             return t.scale
-        current = getattr(self.scaler, "_scale", None)  # absent when disabled
-        if current is None:  # scale() never ran: the scale it will use
-            return torch.tensor(float(self.scaler._init_scale), dtype=torch.float32)
-        return current.detach().reshape(()).clone()
+        return compat.scaler_scale(self.scaler).clone()
 
     def factor(self, param: Tensor) -> Tensor | None:
         """The factor ``param.grad`` still carries (0-dim float32: the step's scale; after a
@@ -263,8 +258,8 @@ class ScalerWatch:
         t = self._tracker
         if t is None or not self.enabled:
             return
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        if state is None or state["stage"] is OptState.READY:
+        state = compat.scaler_optimizer_state(self.scaler, optimizer)
+        if state is None or not state[1]:
             return
         t._note_found(optimizer)
         for group in optimizer.param_groups:

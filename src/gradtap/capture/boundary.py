@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Region", "alias", "mark_boundary"]
+from gradtap.capture import compat
 
-_set_versions = torch._C._autograd._unsafe_set_version_counter
+__all__ = ["Region", "alias", "mark_boundary"]
 
 
 class _Boundary(torch.autograd.Function):
@@ -61,14 +61,18 @@ def alias(t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
 def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
     """Put a boundary node on ``t`` (the tensor itself, as an in-place identity) whose backward
     hands the gradient to ``sink``; False where autograd does not allow an in-place op on it
-    (then nothing changed)."""
+    (then nothing changed), or where this torch cannot put the version back (then the
+    caller falls back to the tensor's own node)."""
+    if not compat.available("torch._C._autograd._unsafe_set_version_counter"):
+        compat.warn_fallback("torch._C._autograd._unsafe_set_version_counter")
+        return False
     version = t._version
     try:
         _Boundary.apply(t, sink)
     except RuntimeError:
         return False
     finally:
-        _set_versions((t,), (version,))
+        compat.restore_version(t, version)
     return True
 
 

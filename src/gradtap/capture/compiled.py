@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from gradtap.capture import compat
 from gradtap.select import wrapper_chain
 
 __all__ = ["around_compiled_call", "compiled_feature", "compiled_in_place", "compiled_parts",
@@ -51,9 +52,8 @@ def compiled_parts(model: nn.Module, root: nn.Module,
     ``model`` itself when it is (or wraps) a ``torch.compile`` wrapper, and every module of ``root``
     compiled in place (``module.compile()``) that is or holds one of ``modules``."""
     parts: list[nn.Module] = []
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None:  # the compile wrapper, also inside a DDP wrapper
-        parts.extend(m for m in wrapper_chain(model) if isinstance(m, eval_frame.OptimizedModule))
+    # the compile wrapper, also inside a DDP wrapper
+    parts.extend(m for m in wrapper_chain(model) if compat.is_compile_wrapper(m))
     wanted = {id(m) for m in modules}
     for module in root.modules():
         if compiled_in_place(module) and any(
@@ -71,7 +71,7 @@ class _Hold:
         self.eager = 0  # taps that need the part's code to run eagerly
         self.outer: list[tuple[OuterBefore, OuterAfter]] = []  # calls around the compiled call
         self.wrapper = "_orig_mod" in part.__dict__["_modules"]  # torch.compile's wrapper
-        self.saved: Any = part.__dict__["forward"] if self.wrapper else part._compiled_call_impl
+        self.saved: Any = part.__dict__["forward"] if self.wrapper else compat.compiled_call(part)
 
     def install(self) -> None:
         part = self.part
@@ -81,7 +81,7 @@ class _Hold:
             return
         inner = None if self.eager else self.saved
         if not self.outer:
-            part._compiled_call_impl = inner
+            compat.set_compiled_call(part, inner)
             return
         outer = list(self.outer)
         run = inner if inner is not None else part._call_impl
@@ -95,7 +95,7 @@ class _Hold:
                 after(output)
             return output
 
-        part._compiled_call_impl = call
+        compat.set_compiled_call(part, call)
 
     def idle(self) -> bool:
         return self.eager == 0 and not self.outer
@@ -121,7 +121,7 @@ def compiled_in_place(module: nn.Module) -> bool:
     hold = _HOLDS.get(module)
     if hold is not None:
         return not hold.wrapper
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return compat.compiled_call(module) is not None
 
 
 def around_compiled_call(module: nn.Module, before: OuterBefore, after: OuterAfter

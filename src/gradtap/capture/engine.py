@@ -11,20 +11,27 @@ Consumers never ask autograd directly; they use these names:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-import torch
+from gradtap.capture import compat
 
 __all__ = ["OncePerBackward", "at_end_of_backward", "current_backward"]
 
-graph_task_id = torch._C._current_graph_task_id
-next_sequence_nr = torch._C._autograd._get_sequence_nr
-current_node = torch._C._current_autograd_node
+
+def graph_task_id() -> int:
+    """The autograd graph task running in this thread, -1 outside a backward."""
+    return compat.graph_task_id()
+
+
+def current_node() -> Any:
+    """The autograd node running in this thread, or None."""
+    return compat.current_node()
 
 
 def current_backward() -> int | None:
     """An id of the backward (autograd graph task) now running in this thread, ``None`` outside
     one. Ids only grow, so a stale id left by a backward that raised is never reused."""
-    task = graph_task_id()
+    task = compat.graph_task_id()
     return None if task == -1 else task
 
 
@@ -34,7 +41,7 @@ def at_end_of_backward(fn: Callable[[], None]) -> None:
     Only valid inside a backward (from a node or tensor hook); consumers use it to do one
     check per backward instead of one per record.
     """
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    compat.queue_callback(fn)
 
 
 class OncePerBackward:
@@ -60,7 +67,7 @@ class OncePerBackward:
         """Have ``fn`` run at the end of the running backward; True the first time in that
         backward (the caller may start per-backward state then). False, and nothing queued,
         outside a backward."""
-        task = graph_task_id()
+        task = compat.graph_task_id()
         if task == self._task or task == -1:
             return False
         self._task = task

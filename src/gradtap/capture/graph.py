@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
+
+from gradtap.capture import compat
 
 if TYPE_CHECKING:
     from gradtap.capture.state import Call
@@ -15,7 +16,6 @@ __all__ = ["INPUT", "INPUT_REGION", "PARAM", "made_since", "sequence_mark", "wal
 #: Kinds of an edge found by :func:`walk_call`: into an argument, into a parameter, into the
 #: base of a view argument (the key then also says where the view lies in it).
 INPUT, PARAM, INPUT_REGION = 0, 1, 2
-AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 Edges = dict[Any, list[tuple[int, int, Any]]]
 
@@ -23,7 +23,7 @@ Edges = dict[Any, list[tuple[int, int, Any]]]
 def sequence_mark() -> int:
     """A mark in the order autograd records ops: ops recorded from now on are at or after it
     (see :func:`made_since`)."""
-    return torch._C._autograd._get_sequence_nr()
+    return compat.sequence_nr()
 
 
 def made_since(t: Tensor, mark: int) -> bool:
@@ -55,7 +55,7 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
     input_edges, input_bases = call.input_edges, call.input_bases
     current: dict[int, str] | None = call.param_ids
     stack = [n for n in dict.fromkeys(starts)
-             if n._sequence_nr() >= start and type(n) is not AccumulateGrad]
+             if n._sequence_nr() >= start and type(n) is not compat.AccumulateGrad]
     seen = set(stack)
     found: Edges = {}
     users: Users = {}
@@ -72,7 +72,7 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
                 found.setdefault(node, []).append((i, INPUT, key))
             elif edge in input_bases:
                 found.setdefault(node, []).append((i, INPUT_REGION, input_bases[edge]))
-            elif type(nxt) is AccumulateGrad:
+            elif type(nxt) is compat.AccumulateGrad:
                 name = param_by_id.get(id(nxt.variable))
                 if name is None:
                     # Parameters swapped in for this call (torch.func.functional_call,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtap.capture import compat
 from gradtap.capture.amp import ScalerWatch, around_any_scaler_step
 from gradtap.capture.compiled import around_compiled_call, compiled_in_place
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
@@ -224,9 +225,7 @@ class HookSet:
             handle.remove()
         self._handles.clear()
         for p in self._params:
-            # register_post_accumulate_grad_hook leaves an empty dict behind; restore None.
-            if not p._post_accumulate_grad_hooks:
-                p._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+            compat.clear_post_accumulate_hooks(p)
         self._params.clear()
         for fn in self._cleanups:
             fn()

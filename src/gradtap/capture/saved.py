@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradtap.capture.engine import graph_task_id
+from gradtap.capture import compat
 
 __all__ = ["behind_unpack_hook", "graph_nodes", "saved_tensors"]
 
@@ -38,10 +38,13 @@ def saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor]
         >>> import torch
         >>> x = torch.randn(3, requires_grad=True)
         >>> y = x.exp()  # exp saves its result
-        >>> list(saved_tensors(graph_nodes([y]))) == [y.data_ptr()]
+        >>> found = saved_tensors(graph_nodes([y]))
+        >>> list(found) == ([y.data_ptr()] if compat.saved_tensors_readable() else [])
         True
     """
     found: dict[int, list[Tensor]] = {}
+    if not compat.saved_tensors_readable():
+        return found
     seen: set[Any] = set()
     stack = list(roots)
     while stack and len(seen) < limit:
@@ -61,25 +64,23 @@ def saved_tensors(roots: list[Any], limit: int = 5000) -> dict[int, list[Tensor]
             for x in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(x, Tensor) and x.layout == torch.strided:
                     found.setdefault(x.data_ptr(), []).append(x)
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+        try:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        except RuntimeError:  # a custom Function's node, released after its backward
+            continue
     return found
 
 
 def behind_unpack_hook(node: Any, attr: str) -> bool:
     """Whether reading ``node.<attr>`` (a ``_saved_*`` attribute) would run an unpack hook.
 
-    A torch whose saved tensors do not tell (no ``unpack_hook``) is trusted only where an
-    unpack cannot use up anything: outside a backward and outside a ``GraphExecGroup``.
+    True where this torch's saved tensors do not say (no ``SavedTensor.unpack_hook``): reading
+    one could run a hook (an activation checkpoint's recomputation), so none is read.
     """
     raw = getattr(node, "_raw" + attr, None)
     if raw is None:  # not a saved tensor (a size, a scalar), or freed
         return False
-    unknown = object()
     for r in raw if isinstance(raw, (tuple, list)) else (raw,):
-        hook = getattr(r, "unpack_hook", unknown)
-        if hook is unknown:
-            group = getattr(torch._C, "_get_graph_exec_group", lambda: None)()
-            return graph_task_id() != -1 or group is not None
-        if hook is not None:
+        if compat.saved_tensor_hook_known(r) is not False:  # hooked, or this torch cannot say
             return True
     return False

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from gradtap._types import KeepLiteral, Selector
+from gradtap.capture import compat
 from gradtap.capture.compiled import run_eagerly
-from gradtap.capture.engine import next_sequence_nr
 from gradtap.capture.forward import alias_repeated, note_inputs, note_outputs
 from gradtap.capture.hookset import HookSet
 from gradtap.capture.listener import Listener
@@ -138,7 +138,7 @@ class Tap:
             if info.sharded:  # FSDP2 has swapped its unsharded parameters in by now
                 call.param_ids = {id(p): n for n, p in mod.named_parameters()}
             replaced = note_inputs(rec, call, args, kwargs)
-            call.start = next_sequence_nr()
+            call.start = compat.sequence_nr()
             open_calls.append(call)
             return replaced
 
