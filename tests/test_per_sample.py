@@ -142,6 +142,14 @@ def _trailing_norm(draw: st.DrawFn, cls: type[nn.Module]) -> tuple[nn.Module, Te
     return module, torch.randn(draw(st.integers(1, 3)), *lead, *shape) * 2 + 0.5
 
 
+def _bias_or_not(module: nn.Module, bias: bool) -> nn.Module:
+    """``module`` as its ``bias=False`` constructor argument makes it (which torch 2.9's
+    GroupNorm and BatchNorm do not take): no bias parameter."""
+    if not bias:
+        module.register_parameter("bias", None)
+    return module
+
+
 @st.composite
 def _groupnorm(draw: st.DrawFn) -> tuple[nn.Module, Tensor]:
     g = draw(st.integers(1, 3))
@@ -149,7 +157,7 @@ def _groupnorm(draw: st.DrawFn) -> tuple[nn.Module, Tensor]:
     spatial = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2)))]
     if not spatial and c == g:
         spatial = [2]  # one value per group has zero variance: x_hat is all zeros
-    module = nn.GroupNorm(g, c, bias=draw(st.booleans()))
+    module = _bias_or_not(nn.GroupNorm(g, c), draw(st.booleans()))
     return module, torch.randn(draw(st.integers(1, 3)), c, *spatial)
 
 
@@ -175,7 +183,7 @@ def _instancenorm(draw: st.DrawFn) -> tuple[nn.Module, Tensor]:
 def _batchnorm(draw: st.DrawFn) -> tuple[nn.Module, Tensor]:
     d = draw(st.integers(1, 3))
     cls = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[d]
-    module = cls(draw(st.integers(1, 3)), bias=draw(st.booleans()))
+    module = _bias_or_not(cls(draw(st.integers(1, 3))), draw(st.booleans()))
     _randomize_running(module)
     module.eval()
     spatial = [draw(st.integers(1, 3)) for _ in range(d if d > 1 else draw(st.integers(0, 1)))]
