@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when missing
 # and install through constraints.txt, which pins the CPU build of torch.
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test test-compat gpu-check demo lint bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +20,43 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The compatibility job: the whole suite on the newest torch this machine has (with
+# torchvision, whose vision-model tests run only there) and on the declared floor. Each venv
+# installs the test extras through constraints.txt with only its torch line changed.
+COMPAT       ?= 2.14.1 2.9.1
+VISION_2.14.1 := torchvision==0.29.1
+COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
+
+.venvs/torch-%/.installed: pyproject.toml constraints.txt
+	test -x .venvs/torch-$*/bin/python || $(PYTHON) -m venv .venvs/torch-$*
+	sed 's/^torch==.*/torch==$*/' constraints.txt > .venvs/torch-$*/constraints.txt
+	.venvs/torch-$*/bin/python -m pip install -q -c .venvs/torch-$*/constraints.txt torch==$* $(VISION_$*)
+	.venvs/torch-$*/bin/python -m pip install -q -c .venvs/torch-$*/constraints.txt -e ".[test]"
+	touch $@
+
+test-compat: $(COMPAT_STAMPS)
+	@for v in $(COMPAT); do \
+	  echo "== torch $$v"; start=$$(date +%s); \
+	  .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider || exit 1; \
+	  echo "== torch $$v: $$(( $$(date +%s) - start )) s"; \
+	done
+
+# On a machine with an NVIDIA GPU: the CUDA cases of the suite and every benchmark, in a venv
+# of its own with torch's CUDA build (from the registry); what they print lands in $(GPU_OUT).
+GPU_TORCH ?= 2.14.1
+GPU_OUT   ?= gpu-results
+
+gpu-check:
+	test -x .venvs/cuda/bin/python || $(PYTHON) -m venv .venvs/cuda
+	sed 's/^torch==.*/torch==$(GPU_TORCH)/' constraints.txt > .venvs/cuda/constraints.txt
+	.venvs/cuda/bin/python -m pip install -q -c .venvs/cuda/constraints.txt torch==$(GPU_TORCH)
+	.venvs/cuda/bin/python -m pip install -q -c .venvs/cuda/constraints.txt -e ".[test,bench]"
+	.venvs/cuda/bin/python -m pip install -q --no-deps backpack-for-pytorch
+	.venvs/cuda/bin/python -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'"
+	mkdir -p $(GPU_OUT)
+	.venvs/cuda/bin/python -m pytest -q -m "cuda or gpu" -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/cuda-tests.txt; exit $${PIPESTATUS[0]}
+	.venvs/cuda/bin/python benchmarks/run_all.py --no-docs 2>&1 | tee $(GPU_OUT)/benchmarks.txt; exit $${PIPESTATUS[0]}
 
 demo: $(STAMP)
 	$(VENV)/bin/gradtap demo --inject-nan 150
@@ -34,4 +72,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venvs build *.egg-info src/*.egg-info .pytest_cache .hypothesis
