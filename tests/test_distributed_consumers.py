@@ -388,7 +388,7 @@ def test_fsdp2_records_transforms_and_detect():
         else:
             m, v = steps[0][n].double(), torch.zeros_like(steps[0][n], dtype=torch.float64)
             d = steps[1][n].double() - m
-            v = 0.5 * (v + 0.5 * d * d)
+            v = 0.5 * (v + 0.5 * d * d) / (1 - 0.5)  # bias-corrected at step 2
             want = [steps[0][n], steps[1][n] / (v.sqrt() + 1e-8)]
         for rank, r in enumerate(out):
             for s in range(2):

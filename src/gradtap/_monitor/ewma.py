@@ -8,9 +8,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_, group_norms
+from gradtap._tensorops import ewma_init, ewma_update_finite_, group_norms
 
 __all__ = ["GradEwma", "unknown_name"]
 
@@ -39,14 +40,17 @@ class GradEwma:
         return name in self._state
 
     def update(self, grads: Mapping[str, Tensor]) -> None:
-        """Advance the EWMA of each gradient given (a first gradient starts it)."""
+        """Advance the EWMA of each gradient given with its finite elements (a non-finite
+        element leaves its EWMA as it was). The first all-finite gradient starts it: deciding
+        that reads one flag from the device, once per parameter."""
         for name, g in grads.items():
             state = self._state.get(name)
             if state is None:
-                self._state[name] = ewma_init(g)
-                self._updates[name] = 1
+                if bool(torch.isfinite(g).all()):
+                    self._state[name] = ewma_init(g)
+                    self._updates[name] = 1
             else:
-                ewma_update_(state[0], state[1], g, self.beta)
+                ewma_update_finite_(state[0], state[1], g, self.beta)
                 self._updates[name] += 1
 
     def state(self, name: str) -> tuple[Tensor, Tensor]:
@@ -57,7 +61,8 @@ class GradEwma:
         """
         if name not in self._state:
             if name in self._known:
-                raise KeyError(f"parameter {name!r} has had no gradient at a computed step yet")
+                raise KeyError(f"parameter {name!r} has had no gradient at a computed step yet "
+                               "(none all finite: a gradient with NaN or Inf does not start it)")
             raise KeyError(unknown_name(name, self._names, "selected parameter"))
         return self._state[name]
 

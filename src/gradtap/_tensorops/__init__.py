@@ -11,7 +11,7 @@ Everything here works on plain tensors and knows nothing about modules or hooks.
 * :mod:`~gradtap._tensorops.finish`     moments to statistics on the host
 """
 
-from gradtap._tensorops.ewma import ewma_init, ewma_update_
+from gradtap._tensorops.ewma import ewma_init, ewma_update_, ewma_update_finite_
 from gradtap._tensorops.finish import (
     combine_parts,
     complete_fields,
@@ -54,6 +54,7 @@ __all__ = [
     "complete_fields",
     "ewma_init",
     "ewma_update_",
+    "ewma_update_finite_",
     "finish_stats",
     "group_by_device_dtype",
     "group_norms",

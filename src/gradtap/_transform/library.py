@@ -276,9 +276,12 @@ def normalize(beta: float = 0.99, eps: float = 1e-8) -> Transform:
 
     The EWMA (``m = g, v = 0`` at the first step, then ``d = g - m_prev;
     m = m_prev + (1 - beta) d; v = beta (v_prev + (1 - beta) d^2)``) is updated with the
-    incoming gradient, then ``g / (sqrt(v) + eps)`` is returned; at the first step ``g`` is
-    returned unchanged. State: ``{"count": int, "mean": Tensor, "var": Tensor}`` (float32 or
-    wider, the shape of the parameter).
+    incoming gradient, then ``g / (sqrt(v_hat) + eps)`` is returned with the bias-corrected
+    ``v_hat = v / (1 - beta**(t - 1))`` at step ``t >= 2`` (as Adam corrects its moments: the
+    EWMA after a few steps has seen a fraction of its window, and the uncorrected ``v`` would
+    amplify the first steps by orders of magnitude); at the first step ``g`` is returned
+    unchanged. State: ``{"count": int, "mean": Tensor, "var": Tensor}`` (float32 or wider, the
+    shape of the parameter; ``count`` is ``t``).
 
     Args:
         beta: EWMA factor in ``[0, 1)``.
@@ -293,9 +296,9 @@ def normalize(beta: float = 0.99, eps: float = 1e-8) -> Transform:
         >>> t = gt.normalize(beta=0.5)
         >>> s = t.init(torch.zeros(1))
         >>> g, s = t.update(torch.tensor([1.0]), s, None)   # first step: unchanged
-        >>> g, s = t.update(torch.tensor([3.0]), s, None)   # v = 0.5 * 0.5 * 4 = 1
+        >>> g, s = t.update(torch.tensor([3.0]), s, None)   # v = 0.5 * 0.5 * 4 = 1, v_hat = 2
         >>> g
-        tensor([3.])
+        tensor([2.1213])
     """
     b = _beta("normalize", beta)
     e = _real("eps", "normalize", eps)
@@ -307,7 +310,9 @@ def normalize(beta: float = 0.99, eps: float = 1e-8) -> Transform:
         state = _ewma_step(grad, state, b)
         if first:
             return grad, state
-        out = grad.to(state["var"].dtype) / (state["var"].sqrt() + e)
+        correction = 1.0 - b ** (state["count"] - 1)
+        v_hat = state["var"] / correction if correction > 0 else state["var"]
+        out = grad.to(state["var"].dtype) / (v_hat.sqrt() + e)
         return out.to(grad.dtype), state
 
     return Transform(_ewma_state, update)
