@@ -127,6 +127,19 @@ def test_a_plain_script_runs_unchanged_and_every_optimizer_is_monitored(tmp_path
     assert gt.open_run(out / "optimizer-1").meta["exit_code"] == 3
 
 
+def test_kinds_with_grad_output_runs_the_script(tmp_path, capfd, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text(CRASH.replace("raise RuntimeError", "print"))
+    monkeypatch.setenv("PYTHONPATH", _env(tmp_path)["PYTHONPATH"])
+    out = tmp_path / "run"
+    code = main(["watch", "--out", str(out), "--kinds", "param_grad,grad_output", "--",
+                 sys.executable, str(script)])
+    assert code == 0, capfd.readouterr().err
+    df = gt.open_run(out).frame()
+    assert set(df.kind) == {"param_grad", "grad_output"}
+    assert sorted(set(df.step)) == [0, 1, 2]
+
+
 CRASH = """
 import torch
 from torch import nn

@@ -286,13 +286,14 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _check_monitor_options(stats: list[str] | None, kinds: list[str]) -> None:
-    """Fail now, not at the script's first optimizer step, on unknown stats or kinds."""
+    """Fail now, not at the script's first optimizer step, on unknown stats or kinds (checked
+    by a Monitor on a stand-in model with one submodule, as every kind can watch it)."""
     from torch import nn
 
     from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
 
     try:
-        Monitor(nn.Linear(1, 1), stats=DEFAULT_STATS if stats is None else stats,
+        Monitor(nn.Sequential(nn.Linear(1, 1)), stats=DEFAULT_STATS if stats is None else stats,
                 kinds=kinds).close()
     except ValueError as err:
         raise _CliError(str(err)) from err
