@@ -101,11 +101,15 @@ def test_param_grad_stats_and_ewma_match_numpy_loop(data, every, stats, beta):
     shapes, seq = data
     model = Params(shapes)
     with gt.Monitor(model, stats=stats, ewma=beta, every=every) as mon:
-        for grads in seq:
+        for step, grads in enumerate(seq):
             for name, p in model.named_parameters():
                 g = grads[name]
                 p.grad = None if g is None else torch.tensor(g)
-            mon.step()
+            if step % every == 0 and all(g is None for g in grads.values()):
+                with pytest.warns(UserWarning, match="no selected tensor has a gradient"):
+                    mon.step()  # nothing stored for the step
+            else:
+                mon.step()
     got = frame_dict(mon.frame())
     expected: dict = {}
     history: dict[str, list[np.ndarray]] = {n: [] for n in shapes}
@@ -572,3 +576,32 @@ def test_load_state_dict_refuses_a_state_from_another_monitor():
         gt.Monitor(net, select="bias", ewma=0.9).load_state_dict(state)
     with pytest.raises(RuntimeError, match="before the first step"):
         mon.load_state_dict(state)
+
+
+def test_a_step_without_gradients_warns_and_stores_nothing():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    with gt.Monitor(net, kinds=("param_grad", "grad_output")) as mon:
+        net(torch.randn(2, 3)).sum().backward()
+        mon.step()
+        net.zero_grad(set_to_none=True)
+        with pytest.warns(UserWarning, match=r"step 1: no selected tensor has a gradient .*"
+                          r"before backward, or after optimizer.zero_grad"):
+            mon.step()
+        net(torch.randn(2, 3)).sum().backward()
+        mon.step()
+    assert sorted(set(mon.frame().step)) == [0, 2]
+    expected = float(net[0].weight.grad.norm())
+    got = mon.frame(names="0.weight", stats="norm")
+    assert got[got.step == 2].value.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_selection_of_frozen_parameters_raises():
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    net[0].requires_grad_(False)
+    with pytest.raises(gt.SelectionError, match=r"select='0\.\*' matches only parameters that "
+                       r"do not require grad \(0.weight, 0.bias\)"):
+        gt.Monitor(net, select="0.*")
+    with gt.Monitor(net, select="0.*", kinds=("param",)) as mon:  # their values are fine
+        mon.step()
+    assert sorted(set(mon.frame().kind)) == ["param"]

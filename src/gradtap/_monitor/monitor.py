@@ -12,6 +12,7 @@ reductions, never sync with the host. Finished rows go to one history
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, tap
+from gradtap.errors import SelectionError
 from gradtap.record import GradRecord
 from gradtap.select import clean_name, select_parameters, unwrap_model
 from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
@@ -173,6 +175,13 @@ class Monitor:
         # this rank's shards and reduced across ranks with the step's other statistics.
         self._sharded = distributed.is_distributed() and any(
             distributed.is_dtensor(p) for _, p in self._params)
+        gradient_kinds = {"param_grad", "grad_cosine"} & set(self.kinds) or ewma is not None
+        if gradient_kinds and self._params and not any(p.requires_grad for _, p in self._params):
+            names = [n for n, _ in self._params]
+            raise SelectionError(
+                f"select={select!r} matches only parameters that do not require grad "
+                f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}); they never get a "
+                "gradient to monitor (kinds=('param',) watches their values)")
         if local_grads and self._sharded:
             raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
                              "p.grad is already reduce-scattered when gradtap can first read it")
@@ -252,7 +261,13 @@ class Monitor:
             raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
         s = self._step
         try:
-            if self._active:
+            if self._active and self._nothing_to_read():
+                self._check_not_replaced()
+                warnings.warn(
+                    f"Monitor.step() at step {s}: no selected tensor has a gradient (called "
+                    "before backward, or after optimizer.zero_grad()?); nothing is stored for "
+                    "this step", UserWarning, stacklevel=2)
+            elif self._active:
                 self._compute(s)
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
@@ -505,6 +520,12 @@ class Monitor:
         """The device of the first selected parameter (CPU without any)."""
         return next((distributed.local_tensor(p).device for _, p in self._params),
                     torch.device("cpu"))
+
+    def _nothing_to_read(self) -> bool:
+        """Whether the Monitor watches gradients only and no selected one arrived this step."""
+        if {"param", "update"} & set(self.kinds) or self._pending or self._local:
+            return False
+        return not any(p.grad is not None for _, p in self._params)
 
     def _check_not_replaced(self) -> None:
         """Raise when the model no longer holds the selected parameters (replaced after the
