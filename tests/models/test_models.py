@@ -44,7 +44,7 @@ from tests.models.boundary import Call, OracleResult, boundary_oracle
 
 pytestmark = pytest.mark.models
 
-MODELS = list(zoo.ZOO)
+MODELS = zoo.params()
 RTOL = 3e-5  # of the tensor's largest element
 NOISE = 1e-6  # of its neighbours' largest element: below this a tensor is rounding noise
 
