@@ -32,11 +32,19 @@ pytestmark = pytest.mark.models
 SIDE_CHANNELS = {"bert": {"encoder"}}
 
 
+# Below this fraction of the model's largest gradient element, a difference is rounding noise:
+# a gradient that is 0 in exact arithmetic comes out as float32 noise whose value depends on
+# the order autograd sums its terms in, which the oracle's extra nodes can change (torchvision's
+# LRASPP: a BatchNorm bias whose shift the next train-mode BatchNorm removes gets 1.4e-8 on
+# a scale of 0.43, 3e-17 in float64).
+NOISE = 1e-6
+
+
 def close(a: Tensor | None, b: Tensor | None, scale: float = 0.0) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a.shape == b.shape and bool(
-        ((a - b).abs() <= 1e-5 * b.abs().max() + 1e-8 * scale + 1e-30).all())
+        ((a - b).abs() <= 1e-5 * b.abs().max() + NOISE * scale + 1e-30).all())
 
 
 def run_of(name: str, model: nn.Module, inputs: dict):
