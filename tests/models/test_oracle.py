@@ -89,7 +89,8 @@ def test_oracle_is_the_plain_model_with_named_gradients(name):
 # Models on which register_full_backward_hook can run on every leaf (elsewhere an in-place op
 # after a leaf module trips its view check).
 FULL_HOOK_MODELS = ["gpt2", "bert", "albert", "t5", "bart", "llama", "mamba", "vit", "convnext",
-                    "swin", "wav2vec2", "hubert", "whisper"]
+                    "swin", "wav2vec2", "hubert", "whisper", "torchvision_vit", "torchvision_swin",
+                    "torchvision_maxvit"]
 FULL_HOOK_PARAMS = [p for p in zoo.params() if p.values[0] in FULL_HOOK_MODELS]
 assert len(FULL_HOOK_PARAMS) == len(FULL_HOOK_MODELS), "a name not in the zoo"
 

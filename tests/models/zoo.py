@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models built in code from their configs, for the real-model suite.
+"""Tiny Hugging Face models built in code from their configs, for the real-model suite
+(torchvision's models are in ``vision.py``, registered here too).
 
 Each :class:`Spec` builds one model (random weights, no download), its inputs for a batch of
 ``N`` samples, and a scalar loss of the model's output. Every loss is a mean over samples of
@@ -370,3 +371,6 @@ register(Spec(
                  + feature_loss(out.encoder_last_hidden_state, 8)),
 ))
 
+# -- torchvision ------------------------------------------------------------------------------
+
+from tests.models import vision  # noqa: E402, F401  (registers its specs in ZOO)
