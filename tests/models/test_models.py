@@ -7,13 +7,13 @@
   parameters through this call's uses of them: the VJP of the call with ``grad_outputs`` as
   cotangents, where nothing leaves the call other than through its outputs) under the same
   keys; the root's ``param_grads`` equal ``p.grad``, and so does the sum of the outermost
-  (non-root) calls'; ``p.grad`` is the same with and without the tap, and the tap leaves no
-  hook behind. A record for a call no gradient
-  reached is accepted only if every slot holds ``None``.
+  (non-root) calls' (the oracle's sum for a parameter the root holds and uses itself);
+  ``p.grad`` is the same with and without the tap, and the tap leaves no hook behind. A
+  record for a call no gradient reached is accepted only if every slot holds ``None``.
 * ``per_sample``: ``ps.grad`` and ``ps.norm`` against ``torch.autograd.grad`` of each
-  sample's own loss run alone (``model.eval()`` where BatchNorm would couple the samples;
-  every dropout is 0). The zoo's losses are means over samples of per-sample terms, so
-  ``loss_reduction="mean"`` applies; the test checks that property first.
+  sample's own loss run alone (``model.eval()`` where BatchNorm would couple the samples,
+  in float64 there; every dropout is 0). The zoo's losses are means over samples of
+  per-sample terms, so ``loss_reduction="mean"`` applies; the test checks that first.
 * ``Monitor``: norm, mean, population std, absmax and the non-finite count of every
   parameter gradient, over two steps, against the same statistics computed from ``p.grad``.
 * ``detect``: nothing on a healthy step, then a NaN planted in one element of the output of
@@ -44,7 +44,7 @@ from tests.models.boundary import Call, OracleResult, boundary_oracle
 
 pytestmark = pytest.mark.models
 
-MODELS = list(zoo.ZOO)
+MODELS = zoo.params()
 RTOL = 3e-5  # of the tensor's largest element
 NOISE = 1e-6  # of its neighbours' largest element: below this a tensor is rounding noise
 
@@ -168,25 +168,47 @@ def _compare_call(problems: list[str], rec: gt.GradRecord, call: Call) -> None:
 def _outermost_sums(model: nn.Module, records: dict[tuple[str, int], Any], oracle: OracleResult,
                     plain: dict[str, Tensor], noise: dict[str, float],
                     problems: list[str]) -> None:
-    """The outermost (non-root) calls' param_grads, summed by parameter object, are p.grad
-    (no zoo model uses a parameter in its own forward outside every child call)."""
+    """The outermost (non-root) calls' param_grads, summed by parameter object, are p.grad.
+    A parameter the root holds itself may also be used by the root's own forward outside
+    every child call (ViT's class token): there the sum is the oracle's outermost calls'."""
     modules = dict(model.named_modules())
     got: dict[int, Tensor] = {}
+    oracle_sum: dict[int, Tensor] = {}
     for call in oracle.calls:
+        if not call.outermost:
+            continue
+        for key, g in call.param_grads.items():
+            if g is not None:
+                pid = id(modules[call.name].get_parameter(key))
+                oracle_sum[pid] = oracle_sum.get(pid, 0) + g
         rec = records.get((call.name, call.index))
-        if not call.outermost or rec is None:
+        if rec is None:
             continue
         for key, g in rec.param_grads.items():
             if g is not None:
                 pid = id(modules[call.name].get_parameter(key))
                 got[pid] = got.get(pid, 0) + g
+    own = {id(p) for p in model._parameters.values() if p is not None}
     for name, p in model.named_parameters():
         if name in plain:
+            expected = oracle_sum.get(id(p)) if id(p) in own else plain[name]
             check(problems, f"sum of the outermost calls' param_grads for {name}", got.get(id(p)),
-                  plain[name], noise[name])
+                  expected, noise[name])
 
 
-@pytest.mark.parametrize("name", MODELS)
+# A known gradtap bug, expected to fail until capture is fixed: a call that returns a view made
+# by a permute then a reshape that aliases loses its record when another module call passes
+# that tensor on unchanged or as a further view. MaxViT's partition and departition calls do
+# that where one window covers the whole grid (its last stage).
+TAP_XFAIL = {
+    "torchvision_maxvit": "gradtap drops the record of a call returning a view made by a permute "
+                          "then an aliasing reshape when another module call passes it on "
+                          "unchanged or as a further view (nn.Identity, SwapAxes, the enclosing "
+                          "layer): maxvit's partition/departition where one window is the grid",
+}
+
+
+@pytest.mark.parametrize("name", zoo.params(xfail=TAP_XFAIL))
 def test_tap_records_match_the_boundary_oracle(name):
     model = zoo.build(name)
     inputs = zoo.make_inputs(name)
@@ -264,9 +286,16 @@ def couples_samples(model: nn.Module) -> bool:
 @pytest.mark.parametrize("name", MODELS)
 def test_per_sample_gradients_match_a_loop_over_samples(name):
     model = zoo.build(name)
-    if couples_samples(model):
-        model.eval()  # BatchNorm in train mode mixes the samples of a batch
     inputs = zoo.make_inputs(name)
+    if couples_samples(model):
+        # BatchNorm in train mode mixes the samples of a batch: eval mode, on running
+        # statistics. There a deep random network amplifies float32 rounding well past the
+        # tolerance (on torchvision's DenseNet, GoogLeNet, RegNet, the float32 loop alone is
+        # off the float64 one by up to a few percent of a gradient's largest element, and a
+        # batch rounds differently from a single sample), so these models run it in float64.
+        model.eval().double()
+        inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
+                  for k, v in inputs.items()}
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
     losses, loop = [], []

@@ -32,11 +32,19 @@ pytestmark = pytest.mark.models
 SIDE_CHANNELS = {"bert": {"encoder"}}
 
 
+# Below this fraction of the model's largest gradient element, a difference is rounding noise:
+# a gradient that is 0 in exact arithmetic comes out as float32 noise whose value depends on
+# the order autograd sums its terms in, which the oracle's extra nodes can change (torchvision's
+# LRASPP: a BatchNorm bias whose shift the next train-mode BatchNorm removes gets 1.4e-8 on
+# a scale of 0.43, 3e-17 in float64).
+NOISE = 1e-6
+
+
 def close(a: Tensor | None, b: Tensor | None, scale: float = 0.0) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a.shape == b.shape and bool(
-        ((a - b).abs() <= 1e-5 * b.abs().max() + 1e-8 * scale + 1e-30).all())
+        ((a - b).abs() <= 1e-5 * b.abs().max() + NOISE * scale + 1e-30).all())
 
 
 def run_of(name: str, model: nn.Module, inputs: dict):
@@ -46,7 +54,7 @@ def run_of(name: str, model: nn.Module, inputs: dict):
     return run
 
 
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize("name", zoo.params())
 def test_oracle_is_the_plain_model_with_named_gradients(name):
     model = zoo.build(name)
     inputs = zoo.make_inputs(name)
@@ -81,11 +89,14 @@ def test_oracle_is_the_plain_model_with_named_gradients(name):
 # Models on which register_full_backward_hook can run on every leaf (elsewhere an in-place op
 # after a leaf module trips its view check).
 FULL_HOOK_MODELS = ["gpt2", "bert", "albert", "t5", "bart", "llama", "mamba", "vit", "convnext",
-                    "swin", "wav2vec2", "hubert", "whisper"]
+                    "swin", "wav2vec2", "hubert", "whisper", "torchvision_vit", "torchvision_swin",
+                    "torchvision_maxvit"]
+FULL_HOOK_PARAMS = [p for p in zoo.params() if p.values[0] in FULL_HOOK_MODELS]
+assert len(FULL_HOOK_PARAMS) == len(FULL_HOOK_MODELS), "a name not in the zoo"
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
-@pytest.mark.parametrize("name", FULL_HOOK_MODELS)
+@pytest.mark.parametrize("name", FULL_HOOK_PARAMS)
 def test_oracle_agrees_with_the_full_backward_hook_on_leaf_modules(name):
     model = zoo.build(name)
     inputs = zoo.make_inputs(name)

@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models built in code from their configs, for the real-model suite.
+"""Tiny Hugging Face models built in code from their configs, for the real-model suite
+(torchvision's models are in ``vision.py``, registered here too).
 
 Each :class:`Spec` builds one model (random weights, no download), its inputs for a batch of
 ``N`` samples, and a scalar loss of the model's output. Every loss is a mean over samples of
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers as hf
@@ -38,6 +40,7 @@ class Spec:
     # Keyword arguments for forward, plus "target" (dim 0 indexes samples) for the loss only.
     inputs: Callable[[torch.Generator], dict[str, Any]]
     loss: Callable[[Any, Tensor | None], Tensor]  # (output, target) -> a mean over samples
+    skip: str | None = None  # why this model cannot be built here (its tests are skipped)
 
 
 ZOO: dict[str, Spec] = {}
@@ -47,6 +50,17 @@ def register(spec: Spec) -> Spec:
     assert spec.name not in ZOO, spec.name
     ZOO[spec.name] = spec
     return spec
+
+
+def params(xfail: dict[str, str] | None = None) -> list[Any]:
+    """Every model name as a pytest parameter; those that cannot be built here are skipped,
+    those in ``xfail`` (name -> why) are expected to fail (strictly: a pass fails the run)."""
+    xfail = xfail or {}
+    assert set(xfail) <= set(ZOO), sorted(set(xfail) - set(ZOO))
+    return [pytest.param(name, marks=[
+        pytest.mark.skipif(spec.skip is not None, reason=spec.skip or ""),
+        *([pytest.mark.xfail(strict=True, reason=xfail[name])] if name in xfail else [])])
+        for name, spec in ZOO.items()]
 
 
 def build(name: str) -> nn.Module:
@@ -356,3 +370,7 @@ register(Spec(
     lambda out, t: (lm_loss(out.logits, t)
                  + feature_loss(out.encoder_last_hidden_state, 8)),
 ))
+
+# -- torchvision ------------------------------------------------------------------------------
+
+from tests.models import vision  # noqa: E402, F401  (registers its specs in ZOO)
