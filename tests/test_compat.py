@@ -172,6 +172,34 @@ def test_saved_tensor_fallback_in_detect_still_names_the_module():
     assert [(a.module_name, a.kind) for a in det.anomalies][:1] == [("0", "nan")]
 
 
+def after_accumulation_runs(checkpointed: bool) -> list:
+    """What HookSet.after_accumulation reports over two backwards of a two-group model
+    (the second layer under reentrant checkpointing: a backward nested in a node, which
+    accumulates into its parameters before the first layer's)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 1)
+    ends: list = []
+    hooks = HookSet()
+    hooks.after_accumulation([list(a.parameters()), list(b.parameters())], ends.append)
+    for _ in range(2):
+        x = torch.randn(2, 3, requires_grad=True)
+        h = a(x)
+        out = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if checkpointed else b(h)
+        out.sum().backward()
+    hooks.remove()
+    return ends
+
+
+def test_current_node_fallback_ends_each_plain_backward_once():
+    assert after_accumulation_runs(False) == after_accumulation_runs(True) == [[0, 1], [0, 1]]
+    with compat.missing("torch._C._current_autograd_node"):
+        with pytest.warns(compat.TorchCompatWarning, match="_current_autograd_node"):
+            assert after_accumulation_runs(False) == [[0, 1], [0, 1]]
+        # What the fallback loses: the end of the checkpoint's nested backward is taken for
+        # the end of the step's, so each backward reports its groups in two parts.
+        assert after_accumulation_runs(True) == [[1], [0], [1], [0]]
+
+
 def test_post_accumulate_hooks_attribute_fallback_still_removes_the_hook():
     p = nn.Parameter(torch.ones(2))
     fired = []

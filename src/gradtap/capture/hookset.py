@@ -95,7 +95,8 @@ class HookSet:
             queued[0] = None
             todo = [i for i, hit in enumerate(reached) if hit]
             reached[:] = [False] * len(groups)
-            fn(todo)
+            if todo:  # a nested backward's deferred end may have found them reported
+                fn(todo)
 
         for i, params in enumerate(groups):
             for p in params:
