@@ -222,3 +222,35 @@ def test_each_family_builds_and_explains_on_its_dummy_input(model_type, task):
     recorded = {id(model.get_parameter(f"{r.module_name}.{k}" if r.module_name else k))
                 for r in ex.records for k, g in r.param_grads.items() if g is not None}
     assert reached and reached <= recorded  # by identity: tied weights have two names
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_subcommand_not_the_argument_list(capsys):
+    assert main(["watch", "--stats", "norm,bogus", "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradtap watch: error: ") and "[" not in err.split(":")[0]
+
+
+def test_explain_with_a_wrong_input_shape_says_so_in_one_line(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(
+        "from torch import nn\n\ndef make():\n    return nn.Sequential(nn.Linear(4, 3))\n")
+    target = f"{tmp_path / 'net.py'}:make"
+    assert main(["explain", target, "--input-shape", "2,5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.match(r"gradtap explain: error: the model's forward failed on a random input of "
+                    r"shape \(2, 5\): .*; is --input-shape right\?", err), err
+    assert main(["explain", target, "--input-shape", "2,4"]) == 0
+
+
+def test_explain_of_a_model_without_a_floating_output_points_to_python(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Argmax(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n        return self.fc(x).argmax(-1)\n\n"
+        "def make():\n    return Argmax()\n")
+    assert main(["explain", f"{tmp_path / 'net.py'}:make", "--input-shape", "2,4"]) == 2
+    err = capsys.readouterr().err
+    assert "pass loss= in Python: gt.explain(model, inputs, loss=...)" in err, err

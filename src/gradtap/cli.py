@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except _CliError as err:
-        print(f"gradtap {args.command}: error: {err}", file=sys.stderr)
+        print(f"gradtap {args.verb}: error: {err}", file=sys.stderr)
         return 2
 
 
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="gradtap",
         description="See, understand and shape the gradients flowing backward through a PyTorch model.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
 
     p = sub.add_parser("explain", help="explain every gradient each layer's backward touches",
                        description="Run one forward and backward and print, per layer and call, "
@@ -205,9 +205,20 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
     example: Any = inputs if inputs is not None else torch.randn(*shape)
     try:
-        print(header + str(explain(model, example, select=args.select, legacy=args.legacy)))
-    except ValueError as err:  # SelectionError, bad loss
-        raise _CliError(str(err)) from err
+        text = str(explain(model, example, select=args.select, legacy=args.legacy))
+    except ValueError as err:  # SelectionError, an output without a floating tensor
+        message = str(err)
+        if message.endswith("pass loss="):
+            message += (" in Python: gt.explain(model, inputs, loss=...) (the command line "
+                        "sums every floating tensor of the output)")
+        raise _CliError(message) from err
+    except RuntimeError as err:  # the model's own forward refused the input
+        if inputs is not None:
+            raise
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise _CliError(f"the model's forward failed on a random input of shape "
+                        f"{tuple(shape)}: {last}; is --input-shape right?") from err
+    print(header + text)
     return 0
 
 
