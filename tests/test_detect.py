@@ -1390,3 +1390,27 @@ def test_norms_mode_reads_each_parameter_gradient_norm(dtype):
             assert got == pytest.approx(expected, rel=1e-5)
             net.zero_grad()
             det.step()
+
+
+def test_a_spike_dump_holds_the_forward_tensors_of_the_spiking_call(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    seen = {}
+
+    def keep(module, args, out):  # the oracle: what the call got and returned
+        seen["input"], seen["output"] = args[0].detach().clone(), out.detach().clone()
+
+    net[2].register_forward_hook(keep)
+    with gt.detect(net, spike=5.0, warmup=3, action="record", dump_dir=tmp_path) as det:
+        for step in range(6):
+            if step == 5:
+                with torch.no_grad():
+                    net[2].weight.mul_(1000.0)
+            net(torch.randn(8, 4)).pow(2).mean().backward()
+            det.step()
+            net.zero_grad()
+    (a,) = det.anomalies
+    assert (a.kind, a.module_name, a.step) == ("spike", "2", 5)
+    record = gt.load_dump(a.dump_path)["record"]
+    torch.testing.assert_close(record["inputs"]["input"], seen["input"], rtol=0, atol=0)
+    torch.testing.assert_close(record["outputs"]["output"], seen["output"], rtol=0, atol=0)

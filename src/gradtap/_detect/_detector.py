@@ -357,6 +357,7 @@ class Detector:
         assert self._screen is not None and self._param_spikes is not None
         with compiled_feature(None):  # a replay runs eagerly, and says nothing
             watch = CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
+                              keep_forward=self.dump_dir is not None,
                               options=WatchOptions(eager_on_cpu=False), step=self._step)
         watch.plans = []
         try:
