@@ -134,6 +134,15 @@ def test_detect_skips_the_anomalous_step(tmp_path):
     assert all(v is not None for v in model.seen[2].values())
     df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
     assert (df[df.step == 1].value > 0).all() and (df[df.step != 1].value == 0).all()
+    # The anomalies are saved beside the statistics, for the report (origin included).
+    from gradtap.report import build_report_data, read_anomalies
+
+    saved, source = read_anomalies(tmp_path / "gradtap")
+    assert source == "gradtap callback (detect=True)"
+    assert [(a["module_name"], a["where"], a["step"]) for a in saved] == [
+        (a.module_name, a.where, a.step) for a in cb.anomalies]
+    report = build_report_data(tmp_path / "gradtap")
+    assert report.anomaly_source == source and len(report.anomalies) == len(cb.anomalies)
 
 
 # ------------------------------------------------------------------------ mixed precision

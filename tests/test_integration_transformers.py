@@ -128,6 +128,13 @@ def test_detect_skips_the_anomalous_step(tmp_path):
     assert cb.anomalies and cb.anomalies[0].module_name.startswith("transformer.h.0.mlp")
     df = gt.open_run(tmp_path / "gradtap").frame(stats="nonfinite")
     assert (df[df.step == 1].value > 0).any() and (df[df.step != 1].value == 0).all()
+    # The anomalies are saved beside the statistics, for the report (origin included).
+    from gradtap.report import read_anomalies
+
+    saved, source = read_anomalies(tmp_path / "gradtap")
+    assert source == "gradtap callback (detect=True)"
+    assert [(a["module_name"], a["step"]) for a in saved] == [
+        (a.module_name, a.step) for a in cb.anomalies]
 
 
 def test_fp16_grad_scaler_unscaled_norms_and_an_overflow_recorded_not_skipped(tmp_path):

@@ -18,6 +18,7 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._types import Selector
+from gradtap.report.data import write_anomalies
 from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
 
@@ -25,6 +26,9 @@ __all__ = ["STATE_FILE", "CallbackCore", "CallbackViews"]
 
 #: The file the Hugging Face callback writes into each checkpoint directory.
 STATE_FILE = "gradtap_state.pt"
+
+#: What ``anomalies.json`` says wrote it.
+ANOMALY_SOURCE = "gradtap callback (detect=True)"
 
 
 class CallbackCore:
@@ -152,6 +156,9 @@ class CallbackCore:
             self._anomalies += self.detector.anomalies
             self.detector.remove()
             self.detector = None
+            run = None if self.monitor is None else self.monitor.run  # rank 0's store
+            if run is not None:  # beside the statistics, for the report
+                write_anomalies(run.path, self._anomalies, source=ANOMALY_SOURCE)
         if self.monitor is not None:
             self.monitor.close(status)
             self.monitor = None
