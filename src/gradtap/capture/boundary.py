@@ -3,6 +3,8 @@
 * :func:`mark_boundary` puts a boundary node on an output: an identity marked as an in-place
   op on the very tensor returned (its version counter put back, so saved tensors stay valid).
   Every later use, and every later in-place op, goes through it; uses inside the call do not.
+  :func:`stands_for` says which edge such a node stands in front of, so that an enclosing
+  call can credit its own uses of the tensor without the uses after it returned.
 * :func:`alias` gives a second output path holding the same tensor (or a leaf returned as is)
   a view of its own, whose node sees that path's gradient.
 * :class:`Region` says where a view lies in its base's storage, to cut a gradient w.r.t. the
@@ -17,9 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Region", "alias", "mark_boundary"]
+__all__ = ["Region", "alias", "mark_boundary", "stands_for"]
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter
+
+#: Key in a node's ``metadata`` naming the edge a boundary node stands in front of.
+_STANDS_FOR = "gradtap.stands_for"
 
 
 class _Boundary(torch.autograd.Function):
@@ -61,7 +66,15 @@ def alias(t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
 def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
     """Put a boundary node on ``t`` (the tensor itself, as an in-place identity) whose backward
     hands the gradient to ``sink``; False where autograd does not allow an in-place op on it
-    (then nothing changed)."""
+    (then nothing changed).
+
+    The node that later uses of ``t`` reach (the boundary node, or for a view the view's new
+    node in front of its base's ``CopySlices``) notes the edge ``t`` had before, and for a
+    view the ``CopySlices`` notes the edge its base had before, for :func:`stands_for`.
+    """
+    before = (t.grad_fn, t.output_nr)
+    base = t._base if t._is_view() else None
+    base_before = None if base is None else (base.grad_fn, base.output_nr)
     version = t._version
     try:
         _Boundary.apply(t, sink)
@@ -69,7 +82,20 @@ def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
         return False
     finally:
         _set_versions((t,), (version,))
+    # Read after the version is put back: the node later uses of ``t`` will have.
+    node: Any = t.grad_fn
+    node.metadata[_STANDS_FOR] = before
+    if base is not None:
+        copy: Any = base.grad_fn
+        copy.metadata[_STANDS_FOR] = base_before
     return True
+
+
+def stands_for(node: Any) -> tuple[Any, int] | None:
+    """For a node :func:`mark_boundary` put in front of later uses, the edge it stands in
+    front of: the gradient along an edge into ``node`` is the gradient w.r.t. the tensor at
+    that edge. None for any other node."""
+    return node.metadata.get(_STANDS_FOR)
 
 
 class Region:
