@@ -1,8 +1,8 @@
 """Records of pass-through calls (a call that returns its input, or a view of it, as is) and of
 the calls around them, against the oracle (tests/_oracle.py).
 
-The pattern: a no-op or view child inside a call whose input is used again after the call
-returned.
+The patterns: a no-op or view child inside a call whose input is used again after the call
+returned, and a view made by several view ops.
 """
 
 from __future__ import annotations
@@ -117,3 +117,28 @@ def test_calls_around_a_view_child_exclude_a_later_use_of_their_input():
     # The flattens' boundary nodes send the gradient of the viewed tensor through its
     # CopySlices nodes, which group the sum of its uses differently: same math, other rounding.
     assert_tap_changes_nothing(m, lambda: m(x), exact=False)
+
+
+class Partition(nn.Module):
+    """[B, C, H, W] -> [B, H*W, C] by a permute, then a reshape that makes a view."""
+
+    def forward(self, x):
+        return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1])
+
+
+class MulInPlace(nn.Module):
+    def forward(self, y):
+        return y.mul_(2)
+
+
+@pytest.mark.parametrize("after", [nn.Identity, lambda: nn.Dropout(0.0), MulInPlace, nn.Tanh])
+def test_view_made_by_two_view_ops_then_a_pass_through(after):
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Conv2d(4, 4, 1), Partition(), after()), torch.randn(2, 4, 3, 3)
+
+    def run():
+        return m(x).pow(2).sum()
+
+    t = check_against_oracle(m, run)
+    every_call_recorded(t)
+    assert_tap_changes_nothing(m, run)

@@ -23,7 +23,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from gradtap.capture.backward import base_prehook, boundary_sink, node_posthook, output_prehook
 from gradtap.capture.boundary import Region, alias, mark_boundary
-from gradtap.capture.graph import PARAM, walk_call
+from gradtap.capture.graph import PARAM, AccumulateGrad, walk_call
 from gradtap.capture.naming import ModuleInfo, flat_arguments
 from gradtap.capture.state import Call, Recorder
 from gradtap.record import flatten_tensors, map_tensors
@@ -171,14 +171,14 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
             else:
                 boundary.append((path, t, None))
         else:
-            # A view of a tensor made before the call (x[:, :3], a flatten): the boundary
-            # node goes on the view and the view's own node is bypassed, so its gradient
-            # is sent to the call's inputs by calling that node, when it leads to them
-            # directly; otherwise the view's own node is watched.
-            keys = [call.input_edges.get(e) for e in fn.next_functions]
-            if not users.get((fn, t.output_nr)) and id(t) not in repeated and all(
-                    k is not None or e[0] is None for k, e in zip(keys, fn.next_functions)):
-                boundary.append((path, t, (fn, keys)))
+            # A view of a tensor made before the call (x[:, :3], a flatten, a permute then
+            # a reshape): the boundary node goes on the view and the view ops of the call
+            # are bypassed, so its gradient is sent on to the call's inputs by calling those
+            # nodes; where the view is used inside the call, the view's own node is watched.
+            chain = _view_chain(fn, start)
+            if chain is not None and not users.get((fn, t.output_nr)) and id(t) not in repeated:
+                last = chain[-1].next_functions
+                boundary.append((path, t, (chain, [call.input_edges.get(e) for e in last])))
             else:
                 out_nodes.setdefault(fn, []).append((t.output_nr, path))
                 call.out_versions.append((path, weakref.ref(t), t._version))
@@ -228,6 +228,21 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         rec.on_forward(call.info.name, call.index, module, call.fwd_inputs, dict(outs))
         call.fwd_inputs = {}
     return returned
+
+
+def _view_chain(fn: Any, start: int) -> list[Any] | None:
+    """The nodes of the view ops a call made from ``fn`` (the node of a view it returns) back
+    to the first tensor made before the call, each with a single edge; None where a node on
+    the way has several."""
+    chain = [fn]
+    while True:
+        nexts = fn.next_functions
+        if len(nexts) != 1 or nexts[0][0] is None:
+            return None
+        fn = nexts[0][0]
+        if fn._sequence_nr() < start or type(fn) is AccumulateGrad:
+            return chain
+        chain.append(fn)
 
 
 def _install_node_hooks(rec: Recorder, call: Call, out_nodes: dict, base_nodes: dict,
