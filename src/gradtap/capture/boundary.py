@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Region", "alias", "mark_boundary", "stands_for"]
+__all__ = ["Region", "alias", "mark_boundary", "overlaps_itself", "stands_for"]
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
@@ -65,13 +65,18 @@ def alias(t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
 
 def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
     """Put a boundary node on ``t`` (the tensor itself, as an in-place identity) whose backward
-    hands the gradient to ``sink``; False where autograd does not allow an in-place op on it
-    (then nothing changed).
+    hands the gradient to ``sink``; False where autograd or the kernels do not allow an
+    in-place op on it (then nothing changed, and the model cannot modify ``t`` in place
+    either).
 
     The node that later uses of ``t`` reach (the boundary node, or for a view the view's new
     node in front of its base's ``CopySlices``) notes the edge ``t`` had before, and for a
     view the ``CopySlices`` notes the edge its base had before, for :func:`stands_for`.
     """
+    if overlaps_itself(t):
+        # An in-place op on it is refused by the kernels; a CopySlices node of such a view
+        # could not write its gradient back.
+        return False
     before = (t.grad_fn, t.output_nr)
     base = t._base if t._is_view() else None
     base_before = None if base is None else (base.grad_fn, base.output_nr)
@@ -96,6 +101,12 @@ def stands_for(node: Any) -> tuple[Any, int] | None:
     front of: the gradient along an edge into ``node`` is the gradient w.r.t. the tensor at
     that edge. None for any other node."""
     return node.metadata.get(_STANDS_FOR)
+
+
+def overlaps_itself(t: Tensor) -> bool:
+    """Whether elements of ``t`` share memory by a stride of 0 (an expanded tensor): what
+    the in-place kernels refuse."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 class Region:
