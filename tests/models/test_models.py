@@ -196,19 +196,7 @@ def _outermost_sums(model: nn.Module, records: dict[tuple[str, int], Any], oracl
                   expected, noise[name])
 
 
-# A known gradtap bug, expected to fail until capture is fixed: a call that returns a view made
-# by a permute then a reshape that aliases loses its record when another module call passes
-# that tensor on unchanged or as a further view. MaxViT's partition and departition calls do
-# that where one window covers the whole grid (its last stage).
-TAP_XFAIL = {
-    "torchvision_maxvit": "gradtap drops the record of a call returning a view made by a permute "
-                          "then an aliasing reshape when another module call passes it on "
-                          "unchanged or as a further view (nn.Identity, SwapAxes, the enclosing "
-                          "layer): maxvit's partition/departition where one window is the grid",
-}
-
-
-@pytest.mark.parametrize("name", zoo.params(xfail=TAP_XFAIL))
+@pytest.mark.parametrize("name", MODELS)
 def test_tap_records_match_the_boundary_oracle(name):
     model = zoo.build(name)
     inputs = zoo.make_inputs(name)

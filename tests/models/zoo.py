@@ -52,15 +52,12 @@ def register(spec: Spec) -> Spec:
     return spec
 
 
-def params(xfail: dict[str, str] | None = None) -> list[Any]:
+def params() -> list[Any]:
     """Every model name as a pytest parameter; those that cannot be built here are skipped,
-    those in ``xfail`` (name -> why) are expected to fail (strictly: a pass fails the run)."""
-    xfail = xfail or {}
-    assert set(xfail) <= set(ZOO), sorted(set(xfail) - set(ZOO))
-    return [pytest.param(name, marks=[
-        pytest.mark.skipif(spec.skip is not None, reason=spec.skip or ""),
-        *([pytest.mark.xfail(strict=True, reason=xfail[name])] if name in xfail else [])])
-        for name, spec in ZOO.items()]
+    saying why."""
+    return [pytest.param(name, marks=pytest.mark.skipif(spec.skip is not None,
+                                                         reason=spec.skip or ""))
+            for name, spec in ZOO.items()]
 
 
 def build(name: str) -> nn.Module:

@@ -67,7 +67,8 @@ def boundary_sink(rec_ref: RecorderRef, call: Call, path: str, credit: Any
                   ) -> Callable[[Tensor], Tensor]:
     """The backward of a boundary node or alias of output ``path``. ``credit`` is what the
     call also sent that gradient to, as the node now stands in its way: an input key,
-    ``(PARAM, name)``, or a bypassed view node with the input key of each of its edges."""
+    ``(PARAM, name)``, or the bypassed nodes of the call's view ops (the first the view's
+    own) with the input key of each edge of the last."""
     name = call.info.name
 
     def sink(g: Tensor) -> Tensor:
@@ -86,9 +87,8 @@ def boundary_sink(rec_ref: RecorderRef, call: Call, path: str, credit: Any
         elif credit is not None and credit[0] == PARAM:
             call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
         elif credit is not None:
-            node, keys = credit
-            grads = node(g)
-            for key, gi in zip(keys, (grads,) if isinstance(grads, Tensor) else grads):
+            nodes, keys = credit
+            for key, gi in zip(keys, _through(nodes, g)):
                 if key is not None:
                     call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
         rec.fired(call)
@@ -142,6 +142,16 @@ def node_posthook(rec_ref: RecorderRef, call: Call, out_entries: tuple, edge_ent
         return tuple(new) if new is not None else None
 
     return posthook
+
+
+def _through(nodes: Any, g: Tensor) -> tuple:
+    """``g`` carried back through ``nodes`` (each called on the first gradient the one before
+    returned): the last one's gradients, one per edge."""
+    grads: tuple = (g,)
+    for node in nodes:
+        out = node(grads[0])
+        grads = (out,) if isinstance(out, Tensor) else tuple(out)
+    return grads
 
 
 def check_like(new: Any, old: Tensor, what: str) -> None:

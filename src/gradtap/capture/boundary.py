@@ -3,6 +3,8 @@
 * :func:`mark_boundary` puts a boundary node on an output: an identity marked as an in-place
   op on the very tensor returned (its version counter put back, so saved tensors stay valid).
   Every later use, and every later in-place op, goes through it; uses inside the call do not.
+  :func:`stands_for` says which edge such a node stands in front of, so that an enclosing
+  call can credit its own uses of the tensor without the uses after it returned.
 * :func:`alias` gives a second output path holding the same tensor (or a leaf returned as is)
   a view of its own, whose node sees that path's gradient.
 * :class:`Region` says where a view lies in its base's storage, to cut a gradient w.r.t. the
@@ -19,7 +21,10 @@ from torch import Tensor
 
 from gradtap.capture import compat
 
-__all__ = ["Region", "alias", "mark_boundary"]
+__all__ = ["Region", "alias", "mark_boundary", "overlaps_itself", "stands_for"]
+
+#: Key in a node's ``metadata`` naming the edge a boundary node stands in front of.
+_STANDS_FOR = "gradtap.stands_for"
 
 
 class _Boundary(torch.autograd.Function):
@@ -60,12 +65,25 @@ def alias(t: Tensor, sink: Callable[[Tensor], Tensor]) -> Tensor:
 
 def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
     """Put a boundary node on ``t`` (the tensor itself, as an in-place identity) whose backward
-    hands the gradient to ``sink``; False where autograd does not allow an in-place op on it
-    (then nothing changed), or where this torch cannot put the version back (then the
-    caller falls back to the tensor's own node)."""
+    hands the gradient to ``sink``; False where autograd or the kernels do not allow an
+    in-place op on it (then nothing changed, and the model cannot modify ``t`` in place
+    either), or where this torch cannot put the version back (then the caller falls back to
+    the tensor's own node).
+
+    The node that later uses of ``t`` reach (the boundary node, or for a view the view's new
+    node in front of its base's ``CopySlices``) notes the edge ``t`` had before, and for a
+    view the ``CopySlices`` notes the edge its base had before, for :func:`stands_for`.
+    """
     if not compat.available("torch._C._autograd._unsafe_set_version_counter"):
         compat.warn_fallback("torch._C._autograd._unsafe_set_version_counter")
         return False
+    if overlaps_itself(t):
+        # An in-place op on it is refused by the kernels; a CopySlices node of such a view
+        # could not write its gradient back.
+        return False
+    before = (t.grad_fn, t.output_nr)
+    base = t._base if t._is_view() else None
+    base_before = None if base is None else (base.grad_fn, base.output_nr)
     version = t._version
     try:
         _Boundary.apply(t, sink)
@@ -73,7 +91,26 @@ def mark_boundary(t: Tensor, sink: Callable[[Tensor], Tensor]) -> bool:
         return False
     finally:
         compat.restore_version(t, version)
+    # Read after the version is put back: the node later uses of ``t`` will have.
+    node: Any = t.grad_fn
+    node.metadata[_STANDS_FOR] = before
+    if base is not None:
+        copy: Any = base.grad_fn
+        copy.metadata[_STANDS_FOR] = base_before
     return True
+
+
+def stands_for(node: Any) -> tuple[Any, int] | None:
+    """For a node :func:`mark_boundary` put in front of later uses, the edge it stands in
+    front of: the gradient along an edge into ``node`` is the gradient w.r.t. the tensor at
+    that edge. None for any other node."""
+    return node.metadata.get(_STANDS_FOR)
+
+
+def overlaps_itself(t: Tensor) -> bool:
+    """Whether elements of ``t`` share memory by a stride of 0 (an expanded tensor): what
+    the in-place kernels refuse."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 class Region:

@@ -21,8 +21,9 @@ from typing import Any
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from gradtap.capture import compat
 from gradtap.capture.backward import base_prehook, boundary_sink, node_posthook, output_prehook
-from gradtap.capture.boundary import Region, alias, mark_boundary
+from gradtap.capture.boundary import Region, alias, mark_boundary, overlaps_itself
 from gradtap.capture.graph import PARAM, walk_call
 from gradtap.capture.naming import ModuleInfo, flat_arguments
 from gradtap.capture.state import Call, Recorder
@@ -110,13 +111,16 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
       before the call): a boundary node, an identity marked as an in-place op on the very
       tensor returned (its version counter is put back, so saved tensors stay valid), so
       uses after the call, and later in-place ops, go through it and uses inside do not;
-    * the same tensor under a second output path, or a leaf returned as is: a view alias
-      of its own (a leaf cannot be modified in place, so the alias is never bypassed).
+    * the same tensor under a second output path, a leaf returned as is, or a tensor that
+      autograd or the kernels do not let be modified in place (a view of a leaf, an alias,
+      an output of an op returning several views, an expanded tensor): a view alias of its
+      own. The model cannot modify the tensor in place either, so the alias is never
+      bypassed and makes no difference to it.
     """
     start = call.start
     outs = flatten_tensors(output, "output")
-    made: list[tuple[str, Tensor]] = []   # outputs made by this call
-    boundary: list[tuple[str, Tensor, Any]] = []  # (path, tensor, what it bypasses)
+    made: list[tuple[int, str, Tensor]] = []   # outputs made by this call
+    boundary: list[tuple[int, str, Tensor, Any]] = []  # (index, path, tensor, what it bypasses)
     aliased: set[int] = set()             # indices into outs that get an alias
     first: set[int] = set()
     repeated: set[int] = set()           # ids of tensors under more than one path
@@ -141,19 +145,19 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         elif fn._sequence_nr() < start:
             # Returned as it came in: the boundary node's gradient is also what the call
             # sends to that input.
-            boundary.append((path, t, call.input_ids.get(id(t))))
+            boundary.append((i, path, t, call.input_ids.get(id(t))))
         else:
-            made.append((path, t))
+            made.append((i, path, t))
             watched[(fn, t.output_nr)] = None
             base = t._base if t._is_view() else None
             if base is not None and base.grad_fn is not None:
                 watched[(base.grad_fn, base.output_nr)] = None
 
-    edges, users = walk_call(call, [t.grad_fn for _, t in made], watched)
+    edges, users = walk_call(call, [t.grad_fn for _, _, t in made], watched)
 
     out_nodes: dict[Any, list[tuple[int, str]]] = {}
     base_nodes: dict[Any, list[tuple[int, str, Region]]] = {}
-    for path, t in made:
+    for i, path, t in made:
         fn = t.grad_fn
         internal = not t._is_view()
         if not internal:
@@ -162,23 +166,25 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
             internal = bfn is not None and bfn._sequence_nr() >= start
         if internal and (users.get((fn, t.output_nr)) or id(t) in repeated):
             # Used inside the call, or its node also feeds the aliases of its other paths.
-            boundary.append((path, t, None))
+            boundary.append((i, path, t, None))
         elif not t._is_view():
             out_nodes.setdefault(fn, []).append((t.output_nr, path))
         elif internal:
-            if rec.rewrite_out is None and users.get((bfn, base.output_nr)) == [fn]:
+            # An expanded view's gradient is not a region of its base's (which sums it).
+            if (rec.rewrite_out is None and users.get((bfn, base.output_nr)) == [fn]
+                    and not overlaps_itself(t)):
                 base_nodes.setdefault(bfn, []).append((base.output_nr, path, Region(t, base)))
             else:
-                boundary.append((path, t, None))
+                boundary.append((i, path, t, None))
         else:
-            # A view of a tensor made before the call (x[:, :3], a flatten): the boundary
-            # node goes on the view and the view's own node is bypassed, so its gradient
-            # is sent to the call's inputs by calling that node, when it leads to them
-            # directly; otherwise the view's own node is watched.
-            keys = [call.input_edges.get(e) for e in fn.next_functions]
-            if not users.get((fn, t.output_nr)) and id(t) not in repeated and all(
-                    k is not None or e[0] is None for k, e in zip(keys, fn.next_functions)):
-                boundary.append((path, t, (fn, keys)))
+            # A view of a tensor made before the call (x[:, :3], a flatten, a permute then
+            # a reshape): the boundary node goes on the view and the view ops of the call
+            # are bypassed, so its gradient is sent on to the call's inputs by calling those
+            # nodes; where the view is used inside the call, the view's own node is watched.
+            chain = _view_chain(fn, start)
+            if chain is not None and not users.get((fn, t.output_nr)) and id(t) not in repeated:
+                last = chain[-1].next_functions
+                boundary.append((i, path, t, (chain, [call.input_edges.get(e) for e in last])))
             else:
                 out_nodes.setdefault(fn, []).append((t.output_nr, path))
                 call.out_versions.append((path, weakref.ref(t), t._version))
@@ -190,34 +196,31 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         # alias is a view made inside an autograd Function: its own node records the
         # gradient and autograd refuses an in-place op on it (rather than send that
         # gradient elsewhere); a leaf cannot be modified in place anyway.
-        count = itertools.count()
-        infos = iter([(path, t) for i, (path, t) in enumerate(outs) if i in aliased])
-
-        def alias_of(t: Tensor) -> Tensor:
-            if next(count) not in aliased:
-                return t
-            path, original = next(infos)
+        credits: dict[int, Any] = {}
+        for i in aliased:
+            original = outs[i][1]
             key = call.input_ids.get(id(original))
-            credit: Any = key
+            credits[i] = key
             if key is None and original.grad_fn is None:
                 name = call.info.param_by_id.get(id(original))
                 if name is None and call.param_ids is not None:
                     name = call.param_ids.get(id(original))
-                credit = None if name is None else (PARAM, name)
-            return alias(t, boundary_sink(weakref.ref(rec), call, path, credit))
-
-        output = map_tensors(output, alias_of)
-        returned = output
+                credits[i] = None if name is None else (PARAM, name)
+        output = returned = _aliases(rec, call, output, outs, credits)
         hooked += len(aliased)
 
-    for path, t, bypassed in boundary:
+    unmarked: dict[int, Any] = {}
+    for i, path, t, bypassed in boundary:
         if mark_boundary(t, boundary_sink(weakref.ref(rec), call, path, bypassed)):
             hooked += 1
-        elif t.grad_fn is not None and t.grad_fn._sequence_nr() >= start:
-            # Not markable (e.g. a view made by a multi-output op, which cannot be
-            # modified in place either): its own node.
-            out_nodes.setdefault(t.grad_fn, []).append((t.output_nr, path))
-            call.out_versions.append((path, weakref.ref(t), t._version))
+        else:
+            # Not to be modified in place (a view of a leaf, an alias, an expanded tensor):
+            # an alias of its own. Its gradient goes on through the tensor's own nodes, whose
+            # hooks credit the call's inputs; only an argument returned as is is credited.
+            unmarked[i] = bypassed if isinstance(bypassed, str) else None
+    if unmarked:
+        returned = _aliases(rec, call, output, outs, unmarked)
+        hooked += len(unmarked)
     hooked += _install_node_hooks(rec, call, out_nodes, base_nodes, edges)
     call.expected = call.remaining = hooked
     call.input_edges = {}  # the walk is done; do not keep graph nodes alive through it
@@ -228,6 +231,38 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         rec.on_forward(call.info.name, call.index, module, call.fwd_inputs, dict(outs))
         call.fwd_inputs = {}
     return returned
+
+
+def _aliases(rec: Recorder, call: Call, output: Any, outs: list[tuple[str, Tensor]],
+             credits: dict[int, Any]) -> Any:
+    """``output`` with the tensor at each index of ``credits`` (into ``outs``, the flattened
+    output) replaced by an alias whose gradient goes to its path's slot and to the credit
+    (an input key or ``(PARAM, name)``)."""
+    count = itertools.count()
+
+    def alias_of(t: Tensor) -> Tensor:
+        i = next(count)
+        if i not in credits:
+            return t
+        sink = boundary_sink(weakref.ref(rec), call, outs[i][0], credits[i])
+        return alias(t, sink)
+
+    return map_tensors(output, alias_of)
+
+
+def _view_chain(fn: Any, start: int) -> list[Any] | None:
+    """The nodes of the view ops a call made from ``fn`` (the node of a view it returns) back
+    to the first tensor made before the call, each with a single edge; None where a node on
+    the way has several."""
+    chain = [fn]
+    while True:
+        nexts = fn.next_functions
+        if len(nexts) != 1 or nexts[0][0] is None:
+            return None
+        fn = nexts[0][0]
+        if fn._sequence_nr() < start or type(fn) is compat.AccumulateGrad:
+            return chain
+        chain.append(fn)
 
 
 def _install_node_hooks(rec: Recorder, call: Call, out_nodes: dict, base_nodes: dict,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from gradtap.capture import compat
+from gradtap.capture.boundary import stands_for
 
 if TYPE_CHECKING:
     from gradtap.capture.state import Call
@@ -50,6 +51,13 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
     Returns the nodes with edges into the call's inputs, the bases of its view inputs or
     its parameters (``{node: [(edge index, kind, key)]}``), and for each watched edge
     the nodes of this call that use it (``{edge: [node]}``).
+
+    An edge into a node that a call inside this one put in front of an argument (a boundary
+    node of a pass-through, or the ``CopySlices`` node a pass-through of a view of the
+    argument put on it; :func:`~gradtap.capture.boundary.stands_for`) counts as an edge into
+    that argument: the uses after the inner call returned, which also go through that node,
+    include uses after this call returned. Not so for a node this call returns (one of
+    ``starts``): the uses after this call are then uses of its output.
     """
     start, param_by_id = call.start, call.info.param_by_id
     input_edges, input_bases = call.input_edges, call.input_bases
@@ -57,6 +65,7 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
     stack = [n for n in dict.fromkeys(starts)
              if n._sequence_nr() >= start and type(n) is not compat.AccumulateGrad]
     seen = set(stack)
+    returned = frozenset(stack)
     found: Edges = {}
     users: Users = {}
     while stack:
@@ -67,6 +76,9 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
                 continue
             if edge in watched:
                 users.setdefault(edge, []).append(node)
+            if (edge not in input_edges and nxt not in returned
+                    and nxt._sequence_nr() >= start):
+                edge = _argument_behind(edge, input_edges, input_bases)
             key = input_edges.get(edge)
             if key is not None:
                 found.setdefault(node, []).append((i, INPUT, key))
@@ -88,3 +100,16 @@ def walk_call(call: Call, starts: list[Any], watched: dict[tuple[Any, int], None
                 seen.add(nxt)
                 stack.append(nxt)
     return found, users
+
+
+def _argument_behind(edge: tuple[Any, int], input_edges: dict, input_bases: dict
+                     ) -> tuple[Any, int]:
+    """The edge of an argument (or of the base of a view argument) that ``edge`` stands in
+    front of through nodes :func:`~gradtap.capture.boundary.mark_boundary` put; ``edge``
+    itself where there is none."""
+    behind = stands_for(edge[0])
+    while behind is not None:
+        if behind in input_edges or behind in input_bases:
+            return behind
+        behind = stands_for(behind[0]) if behind[0] is not None else None
+    return edge
