@@ -61,9 +61,9 @@ class Anomaly:
         dump_path: the dump file written for it (``dump_dir``), else ``None``.
         rank: the ``torch.distributed`` rank where it was found (0 without a process
             group). Under DDP or FSDP2 ranks agree: a rank that found nothing itself while
-            rank ``r`` did records one anomaly with ``rank=r``, the kind and ``where`` rank
-            ``r`` found, ``module_name`` ``"<rank r>"`` and ``record=None`` (the report is
-            on rank ``r``).
+            rank ``r`` did records one anomaly with ``rank=r``, the kind, ``where`` and
+            module rank ``r`` found (``module_name`` ``"<rank r>"`` for the loss) and
+            ``record=None`` (the report is on rank ``r``).
     """
 
     module_name: str

@@ -45,6 +45,7 @@ _SCREENS = ("model", "modules")
 # What one rank tells the others of its first anomaly of a step: 1 + 4 * kind + where.
 _KINDS = ("nan", "inf", "spike")
 _WHERES = ("forward", "grad_output", "grad_input", "param_grad")
+_CODES = 4 * len(_KINDS)  # kind and where of one code; its multiples number the module
 
 
 class Detector:
@@ -489,28 +490,37 @@ class Detector:
 
     def _agree(self) -> None:
         """Under ``torch.distributed``, once a step: every rank learns which ranks found an
-        anomaly (the kind and ``where`` of each one's first), in one all-reduce (max) of
-        ``world_size`` numbers; each rank records one anomaly per other finding rank, skips,
-        and raises or warns."""
+        anomaly (the kind, ``where`` and module of each one's first), in one all-reduce (max)
+        of ``world_size`` numbers; each rank records one anomaly per other finding rank, skips,
+        and raises or warns. Modules are numbered by their place in the model, the same on
+        every rank."""
         if self._world < 2 or self._agreed:
             return
         self._agreed = True
         codes = torch.zeros(self._world, dtype=torch.float64)
+        names = list(self._modules)
         if self._held:
             first = self._held[0]
-            codes[self._rank] = 1 + 4 * _KINDS.index(first.kind) + _WHERES.index(first.where)
+            module = names.index(first.module_name) + 1 if first.module_name in names else 0
+            codes[self._rank] = (1 + 4 * _KINDS.index(first.kind) + _WHERES.index(first.where)
+                                 + _CODES * module)
         codes = all_ranks_max(codes)
         remote = []
         for r, code in enumerate(codes.tolist()):
             if r == self._rank or code <= 0:
                 continue
-            k, w = divmod(int(code) - 1, 4)
+            module, rest = divmod(int(code) - 1, _CODES)
+            k, w = divmod(rest, 4)
             kind, where = _KINDS[k], _WHERES[w]
-            message = (f"rank {r} found {'a NaN' if kind == 'nan' else 'an Inf' if kind == 'inf' else 'a spike'} "
-                       f"({where}) at step {self._step}; its report is on rank {r}. This rank "
-                       f"(rank {self._rank}) skips the step too.")
-            remote.append(Anomaly(f"<rank {r}>", kind, where, self._step, None,  # type: ignore[arg-type]
-                                  message, rank=r))
+            name = names[module - 1] if module else f"<rank {r}>"
+            type_name = type(self._modules[name]).__name__ if module else ""
+            found = "a NaN" if kind == "nan" else "an Inf" if kind == "inf" else "a spike"
+            place = f" in {name or '(root)'!r} ({type_name})" if module else ""
+            message = (f"rank {r} found {found} ({where}){place} at step {self._step}; its "
+                       f"report is on rank {r}. This rank (rank {self._rank}) skips the step "
+                       "too.")
+            remote.append(Anomaly(name, kind, where, self._step, None,  # type: ignore[arg-type]
+                                  message, module_type=type_name, rank=r))
         self.anomalies.extend(remote)
         new, self._held = self._held + remote, []
         if new:
