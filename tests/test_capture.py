@@ -692,3 +692,18 @@ def test_saved_tensors_reads_no_saved_tensor_behind_an_unpack_hook():
     oracle = x.detach().requires_grad_()
     (g,) = torch.autograd.grad(oracle.sin().exp().tanh().sum(), oracle)
     torch.testing.assert_close(x.grad, g)
+
+
+def test_a_record_prints_shapes_dtypes_and_norms_not_values():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(300, 200))
+    with gt.tap(net, select="0", keep="inputs") as t:
+        net(torch.randn(64, 300)).sum().backward()
+    rec = t.records[0]
+    text = repr(rec)
+    assert len(text.splitlines()) <= 6 and len(text) < 600, text
+    norm, dtype = float(net[0].weight.grad.double().norm()), str(net[0].weight.dtype)[6:]
+    assert f"weight: 200x300 {dtype} norm {norm:.4g}" in text, text
+    assert f"inputs={{input: 64x300 {dtype} norm" in text
+    html = rec._repr_html_()
+    assert html.count("<tr>") == 1 + len(list(rec.slots())) and "200x300" in html

@@ -7,6 +7,7 @@ Also the slot-naming rules shared by capture and its consumers: how forward argu
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -62,6 +63,39 @@ class GradRecord:
         for key, grad in self.param_grads.items():
             yield "parameter", key, grad
 
+    def __repr__(self) -> str:
+        """One line per slot kind, each tensor as its shape, dtype and norm (never its values).
+
+        Example:
+            >>> import torch
+            >>> rec = GradRecord("fc", "Linear", 0, {"input": None},
+            ...                  {"output": torch.ones(2, 3)}, {"weight": torch.zeros(3, 4)})
+            >>> rec
+            GradRecord(Linear 'fc' call 0,
+              grad_outputs={output: 2x3 float32 norm 2.449},
+              grad_inputs={input: None},
+              param_grads={weight: 3x4 float32 norm 0})
+        """
+        parts = [f"{self.module_type} {self.module_name!r} call {self.call}"]
+        for slot in ("grad_outputs", "grad_inputs", "param_grads", "inputs", "outputs"):
+            tensors = getattr(self, slot)
+            if tensors or slot.startswith("grad") or slot == "param_grads":
+                parts.append(f"{slot}={{{', '.join(f'{k}: {_brief(t)}' for k, t in tensors.items())}}}")
+        if self.notes:
+            parts.append(f"notes={list(self.notes)!r}")
+        return "GradRecord(" + ",\n  ".join(parts) + ")"
+
+    def _repr_html_(self) -> str:
+        """The :meth:`describe` table as HTML, for notebooks."""
+        rows = [describe_row(role, key, grad) for role, key, grad in self.slots()]
+        head = "".join(f"<th>{h}</th>" for h in ("slot", "role", "shape", "dtype", "norm",
+                                                   "meaning"))
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                       for row in rows)
+        notes = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)
+        title = html.escape(f"{self.module_type} {self.module_name!r} call {self.call}")
+        return f"<b>{title}</b><table><tr>{head}</tr>{body}</table>{notes}"
+
     def describe(self) -> str:
         """Return a readable table of this record: slot, role, shape, dtype, norm, meaning.
 
@@ -78,6 +112,17 @@ class GradRecord:
         lines = [title, *format_table(["slot", "role", "shape", "dtype", "norm", "meaning"], rows)]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _brief(t: Tensor | None) -> str:
+    """A tensor in a few words: shape, dtype and norm."""
+    if t is None:
+        return "None"
+    shape = "x".join(str(s) for s in t.shape) or "scalar"
+    if not t.is_floating_point() and not t.is_complex():
+        return f"{shape} {str(t.dtype).removeprefix('torch.')}"
+    norm = float(torch.linalg.vector_norm(t.detach().double()))
+    return f"{shape} {str(t.dtype).removeprefix('torch.')} norm {format_number(norm)}"
 
 
 def describe_row(role: str, key: str, grad: Tensor | None) -> list[str]:
