@@ -28,7 +28,8 @@ def test_explain_convnet_matches_autograd_and_restores_state():
     torch.testing.assert_close(fc3.param_grads["bias"], expected[1])
     text = str(ex)
     assert "Conv2d 'conv1' call 0" in text and "ReLU 'relu' call 3" in text
-    assert "gradient of the loss w.r.t. this layer's weight, this call's share" in text
+    assert "this call's share of dL/d weight" in text  # the roles explained once, below
+    assert "'parameter' rows this call's share of p.grad" in text
 
 
 def test_explain_restores_batchnorm_buffers_and_existing_grads():
@@ -94,3 +95,16 @@ def test_cli_explain_user_file(tmp_path, capsys):
     assert "--input-shape must be comma-separated integers" in capsys.readouterr().err
     assert main(["explain", "--example", "convnet", "--select", "conv9"]) == 2
     assert "select='conv9' matches no module; closest module names: conv2, conv1" in capsys.readouterr().err
+
+
+def test_the_tables_fit_the_terminal_and_say_each_meaning_once(monkeypatch):
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    ex = gt.explain(net, torch.randn(5, 3))
+    monkeypatch.setenv("COLUMNS", "72")
+    text = str(ex)
+    assert max(len(line) for line in text.splitlines()) <= 72
+    full = ex.render()  # no width: nothing cut
+    assert full.count("its uses after the call returned") == 1  # in the legend only
+    assert "..." not in full and max(len(line) for line in full.splitlines()) > 72
+    html = ex._repr_html_()
+    assert html.count("<table>") == len(ex.records)

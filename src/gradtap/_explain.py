@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from torch import Tensor, nn
 from gradtap._text import format_table
 from gradtap._types import Selector
 from gradtap.capture import compiled_feature, legacy_backward_grads, tap
-from gradtap.record import GradRecord, describe_row, flatten_tensors
+from gradtap.record import GradRecord, describe_row, flatten_tensors, short_meaning
 from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Explanation", "explain"]
@@ -42,6 +44,7 @@ class Explanation:
         legacy = self.legacy.get((record.module_name, record.call)) if self.legacy else None
         for role, key, grad in record.slots():
             row = describe_row(role, key, grad)
+            row[-1] = short_meaning(role, key, grad)
             if legacy is not None:
                 row.insert(-1, legacy.get(f"{role}:{key}", "-"))
             rows.append(row)
@@ -50,6 +53,11 @@ class Explanation:
         return format_table(header, rows)
 
     def __str__(self) -> str:
+        return self.render(shutil.get_terminal_size().columns)
+
+    def render(self, width: int | None = None) -> str:
+        """The tables of every record and a legend; lines cut to ``width`` characters when
+        given (``str()`` uses the terminal's width, ``COLUMNS`` where set), with ``...``."""
         blocks = []
         for rec in self.records:
             title = f"{rec.module_type} {rec.module_name or '(root)'!r} call {rec.call}"
@@ -64,7 +72,15 @@ class Explanation:
         if self.legacy:
             legend += (" 'legacy' is the index of that gradient in grad_input of the legacy "
                        "module.register_backward_hook ('-': not there).")
-        return "\n\n".join([*blocks, legend])
+        text = "\n\n".join([*blocks, "\n".join(textwrap.wrap(legend, width)) if width else legend])
+        if not width:
+            return text
+        return "\n".join(line if len(line) <= width else line[:max(width - 3, 1)] + "..."
+                         for line in text.splitlines())
+
+    def _repr_html_(self) -> str:
+        """Every record's table as HTML, for notebooks."""
+        return "".join(rec._repr_html_() for rec in self.records)
 
 
 def explain(

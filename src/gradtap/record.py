@@ -141,6 +141,13 @@ def describe_row(role: str, key: str, grad: Tensor | None) -> list[str]:
     ]
 
 
+def short_meaning(role: str, key: str, grad: Tensor | None) -> str:
+    """What :func:`meaning` says, in a few words (a table that explains the roles once)."""
+    text = {"output": f"dL/d {key}, from its uses after the call",
+            "input": f"dL/d {key} via this call only"}.get(role, f"this call's share of dL/d {key}")
+    return text + (" (none)" if grad is None else "")
+
+
 def meaning(role: str, key: str, grad: Tensor | None) -> str:
     """Explain in words what the gradient in one slot is."""
     if role == "output":
