@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from gradtap._per_sample.compute import Compute, PiecesCompute, RuleCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
+from gradtap._per_sample.layout import sample_count
 from gradtap._per_sample.owners import (
     Owner,
     batch_size_of,
@@ -49,9 +50,11 @@ from gradtap._per_sample.units import (
     Frame,
     candidates,
     frames_of,
+    innermost_around,
     largest_norm,
     mismatches,
     replay_frames,
+    watch_outputs,
 )
 from gradtap._types import Selector
 from gradtap.capture import (
@@ -245,6 +248,9 @@ class PerSample:
         self._flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
         self._flagged_calls: set[tuple[str, int]] = set()
         self._covered: dict[tuple[str, int], set[str]] = {}
+        # (owner, call) -> the call's own frame, for an owner without a rule (its replay takes
+        # every argument as passed, non-tensors included)
+        self._own_frames: dict[tuple[str, int], Frame] = {}
         self._group_done = False
 
     def _new_backward(self) -> None:
@@ -278,9 +284,10 @@ class PerSample:
         outer = not any(f is not None for _, f in self._stack)
         if outer:
             self._forward_starts()
-            self._set_batch_size(describe(name, module), args, kwargs)
+            self._set_batch_size(describe(name, module), args, kwargs, module)
             self._outer_calls += 1
-        frame = Frame(name, module, args, kwargs, outer)
+        frame = Frame(name, module, args, kwargs, outer,
+                      tuple(f for _, f in self._stack if f is not None))
         self._stack.append((name, frame))
         self._frames.append(frame)
 
@@ -294,10 +301,8 @@ class PerSample:
             return
         if frame is None:
             return
-        me = weakref.ref(self)
-        for path, t in flatten_tensors(output, "output"):
-            if frame.owns_output(t):
-                self._hooks.gradient(t, functools.partial(_call, me, "_on_frame_grad", frame, path))
+        watch_outputs(frame, output, self._hooks,
+                      functools.partial(_call, weakref.ref(self), "_on_frame_grad"))
         if not any(f is not None for _, f in self._stack):
             self._settle()
 
@@ -307,7 +312,7 @@ class PerSample:
         tensor argument that requires grad (so that the output still does). A checkpoint's
         recomputation in backward repeats the forward's choice (it must save the same
         tensors): a call of a module whose owned calls are still pending is owned again."""
-        if self._replaying or self.batch_size is None or not torch.is_grad_enabled():
+        if self._replaying or not self.batch_size or not torch.is_grad_enabled():
             return False
         if current_backward() is not None and not (
                 in_recomputation() and any(n == name for n, _ in self._own_calls)):
@@ -348,8 +353,11 @@ class PerSample:
         if self._group_done or self._outer_calls >= MAX_OUTER_CALLS:
             self._new_group()
 
-    def _set_batch_size(self, who: str, args: tuple, kwargs: dict[str, Any]) -> None:
-        n = batch_size_of(who, args, kwargs, self.batch_dim)
+    def _set_batch_size(self, who: str, args: tuple, kwargs: dict[str, Any],
+                        module: nn.Module) -> None:
+        n = sample_count(module, args, kwargs)
+        if n is None:
+            n = batch_size_of(who, args, kwargs, self.batch_dim)
         if self.batch_size is None:
             self.batch_size = n
         elif n != self.batch_size:
@@ -362,6 +370,11 @@ class PerSample:
         """The outermost call returned: keep the calls a replay may need, drop the others."""
         needed = {id(f) for q in self._flagged for frames in self._enclosing.get(q, ())
                   for f in frames}
+        needed.update(id(f) for f in self._own_frames.values())
+        for q in self._params:
+            if q not in self._enclosing:  # no call of its modules: a read through .weight
+                needed.update(id(f) for f in innermost_around(self._owners_of.get(q, []),
+                                                              self._frames))
         kept = []
         for frame in self._frames:
             if not frame.settled:
@@ -402,6 +415,9 @@ class PerSample:
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
+        own = frames[-1] if frames and frames[-1].module is module else None
+        if owner.entry is None and own is not None:
+            self._own_frames[(name, call)] = own
         # A parameter also held by an enclosing module without a rule (a tied decoder bias
         # held by the head and by its Linear) is covered by that module's own replay, which
         # sees every use inside its call: counting this call too would count it twice.
@@ -410,7 +426,10 @@ class PerSample:
                    for q in self._owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
-        reason = classify_call(owner, inputs, outputs, self.batch_size, self.batch_dim)
+        reason = classify_call(owner, inputs, outputs, self.batch_size, self.batch_dim,
+                               None if own is None or owner.entry is not None
+                               or self.batch_size is None
+                               else own.split(self.batch_size, self.batch_dim))
         if reason is not None:
             self._flagged_calls.add((name, call))
             for q in quals:
@@ -459,6 +478,8 @@ class PerSample:
             return
         owner = self._owners[rec.module_name]
         self._queue_end()
+        if self.batch_size == 0:
+            return  # an empty batch: nothing to split (_end_of_backward)
         if self._own_calls:
             own = self._own_calls.pop((rec.module_name, rec.call), None)
             if own is not None:
@@ -498,8 +519,12 @@ class PerSample:
         self._replaying = True  # a fallback's own backward must not count as an increment
         try:
             with torch.no_grad():
+                frame = self._own_frames.get((rec.module_name, rec.call))
+                call = (None if frame is None or frame.changed() or frame.kwargs is None
+                        else (cast(tuple, frame.args), frame.kwargs))
                 compute = compute_for(owner, rec, scale, frozenset(names), materialize,
-                                      self.batch_size, self.batch_dim)  # type: ignore[arg-type]
+                                      self.batch_size, self.batch_dim,  # type: ignore[arg-type]
+                                      call)
                 if materialize:
                     grads = compute.grads()
                     self._add_grads(names, grads, self._checked_sums(compute, grads, names))
@@ -641,7 +666,9 @@ class PerSample:
         lost = dict(self._own_lost)
         self._write_own()
         try:
-            if self.batch_size is not None and self._increments:
+            if self.batch_size == 0:  # an empty batch: [0, *shape] for every parameter
+                self._step_grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._params.items()}
+            elif self.batch_size is not None and self._increments:
                 late = self._check_sums()
                 bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
                        if q in self._increments}
@@ -712,7 +739,10 @@ class PerSample:
     def _uses(self, qual: str) -> list[tuple[Frame, ...]]:
         """The enclosing calls of each call that used ``qual``; the model's own calls when no
         call of a module holding it was seen (a use outside them)."""
-        return self._enclosing.get(qual) or [(f,) for f in self._frames if f.outer]
+        if qual in self._enclosing:
+            return self._enclosing[qual]
+        around = innermost_around(self._owners_of.get(qual, []), self._frames)
+        return [f.chain for f in around] or [(f,) for f in self._frames if f.outer]
 
     def _replay(self, bad: dict[str, tuple[str, str]]) -> None:
         """Per-sample gradients of ``bad`` from replays of enclosing calls, innermost first."""

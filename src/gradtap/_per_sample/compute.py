@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap
+from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
 from gradtap._per_sample.owners import Owner, rows
 from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
 from gradtap._per_sample.rules.linear import (
@@ -127,7 +127,7 @@ class ParametrizedCompute(RuleCompute):
         return out
 
     def norm_sq(self) -> dict[str, Tensor]:
-        return {k: g.flatten(1).square().sum(1) for k, g in self.grads().items()}
+        return {k: (g.flatten(1) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1) for k, g in self.grads().items()}
 
     def sum_sq(self) -> dict[str, Tensor]:
         return {k: g.square().sum(0) for k, g in self.grads().items()}
@@ -158,11 +158,18 @@ class PiecesCompute(Compute):
 
 class FallbackCompute(Compute):
     def __init__(self, owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
-                 batch_dim: int, n: int) -> None:
+                 batch_dim: int, n: int, call: tuple[tuple, dict[str, Any]] | None) -> None:
         self.owner, self.rec, self.scale, self.names = owner, rec, scale, names
-        self.batch_dim, self.n = batch_dim, n
+        self.batch_dim, self.n, self.call = batch_dim, n, call
 
     def _run(self, samples: slice | None = None) -> dict[str, Tensor]:
+        if self.call is not None:  # the arguments as passed, non-tensors included
+            module = self.owner.module
+            every = dict(module.named_parameters())
+            grads = {k: g for k, g in self.rec.grad_outputs.items() if g is not None}
+            return replay_call(module, self.owner.name, *self.call, grads,
+                               {k: every[k] for k in self.names}, self.batch_dim, self.n,
+                               self.scale, samples)
         return grad_fallback(self.owner.module, self.owner.name, self.rec.inputs,
                              self.rec.grad_outputs, self.names, self.batch_dim, self.scale,
                              samples, self.n)
@@ -181,7 +188,7 @@ class FallbackCompute(Compute):
         parts: dict[str, list[Tensor]] = {}
         for sl in self._chunks():
             for k, g in self._run(sl).items():
-                parts.setdefault(k, []).append(g.flatten(1).square().sum(1))
+                parts.setdefault(k, []).append((g.flatten(1) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1))
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def sum_sq(self) -> dict[str, Tensor]:
@@ -194,11 +201,14 @@ class FallbackCompute(Compute):
 
 
 def compute_for(owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
-                materialize: bool, n: int, bd: int) -> Compute:
+                materialize: bool, n: int, bd: int,
+                call: tuple[tuple, dict[str, Any]] | None = None) -> Compute:
     """How to compute the quantities of one record: its rule, its pieces or the fallback.
 
     ``scale`` turns the recorded output gradient into ``d s_n / d output``;
-    ``materialize`` says whether ``[N, *param.shape]`` will be built anyway.
+    ``materialize`` says whether ``[N, *param.shape]`` will be built anyway; ``call`` is the
+    call's arguments as passed, which the fallback replays when given (the record keeps
+    only tensor arguments).
     """
     if owner.rule is not None and "output" in rec.grad_outputs and rec.inputs:
         inp = next(iter(rec.inputs.values()))
@@ -224,4 +234,4 @@ def compute_for(owner: Owner, rec: GradRecord, scale: float, names: frozenset[st
         pieces = entry.pieces(owner.module, rec.inputs, rec.grad_outputs, scale)
         if pieces is not None:
             return PiecesCompute(pieces, names)
-    return FallbackCompute(owner, rec, scale, names, bd, n)
+    return FallbackCompute(owner, rec, scale, names, bd, n, call)

@@ -1,20 +1,24 @@
 """Generic per-sample gradients by replaying a call, built on ``torch.func``.
 
 A call of a module is replayed per sample: sample n's gradient is the gradient, w.r.t. the
-parameters, of ``<module(x_n), go_n>``, where ``x_n`` is sample n's slice of every argument
-that has one (an argument whose size along the sample dim is not the batch size is shared by
-all samples and passed whole) and ``go_n`` its (scaled) output gradient. This is exact for any
+parameters, of ``<module(x_n), go_n>``, where ``x_n`` is sample n's part of every argument
+that has one and ``go_n`` its (scaled) output gradient; where each argument and output holds
+the samples is :mod:`gradtap._per_sample.layout`'s business (rows along the sample dim by
+default, an argument without them shared by all samples; a 0-dim output reduced over the
+batch keeps its gradient as the cotangent of every sample's value). This is exact for any
 call whose forward treats samples independently and is deterministic. Two ways, the first
 that works:
 
 * ``vmap(grad(...))`` over samples with ``functional_call``: one vectorized forward and
   backward of the call;
 * a loop over samples with ``torch.autograd.grad``, where ``vmap`` cannot run the forward
-  (data-dependent shapes such as boolean-mask indexing, ``.item()``, control flow on values).
+  (data-dependent shapes such as boolean-mask indexing, ``.item()``, control flow on values),
+  or the samples are ragged (packed sequences, bags), or an output holds the whole batch on one
+  sample's replay (a call whose argument is the batch size: cut to that sample's rows).
 
-Used for a module without a rule (its record's tensor arguments; the replay uses defaults for
-arguments that were not tensors) and, by :mod:`gradtap._per_sample.api`, for a whole enclosing
-call (its arguments as passed) when no rule can map a parameter.
+Used for a module without a rule (its arguments as passed; from its record's tensor arguments,
+with defaults for the others, when the call was not kept) and, by
+:mod:`gradtap._per_sample.api`, for a whole enclosing call when no rule can map a parameter.
 
 Random ops (dropout in training mode) cannot be replayed identically: ``vmap`` refuses them,
 and the loop notices that the random number generator moved; both raise.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -32,17 +36,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from gradtap._per_sample.fallback_errors import CannotReplay
+from gradtap._per_sample.layout import CallSplit, Dim, Scalar, Slot, restore, split_call
 from gradtap.errors import UnsupportedModuleError
-from gradtap.record import flatten_tensors, map_tensors
+from gradtap.record import flatten_tensors
 
 __all__ = ["CannotReplay", "grad_fallback", "quiet_vmap", "replay_call"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 AutocastState = tuple[tuple[str, bool, torch.dtype], ...]
-
-
-class CannotReplay(Exception):  # noqa: N818 - internal signal, never reaches users
-    """This call cannot give per-sample gradients by a replay; ``str(err)`` says why."""
 
 
 @contextmanager
@@ -157,7 +159,8 @@ def replay_call(
         name: its qualified name (for messages).
         args, kwargs: the call's arguments, as passed (tensors are detached for the replay).
         grad_outputs: gradients w.r.t. the call's outputs, by output path (``"output"``,
-            ``"0"``, ``"last_hidden_state"``...); each has ``n`` rows along ``batch_dim``.
+            ``"0"``, ``"last_hidden_state"``...); each holds the ``n`` samples where the
+            call's layout says (``_per_sample.layout``), or is 0-dim.
         params: the parameters to differentiate, by name relative to ``module``. A name not
             under ``module`` (a parameter it receives some other way) is differentiated too,
             by the loop only.
@@ -175,93 +178,98 @@ def replay_call(
         CannotReplay: an output gradient has no row per sample, or the replay failed.
         UnsupportedModuleError: the forward draws random numbers.
     """
-    for path, g in grad_outputs.items():
-        if g.dim() <= batch_dim or g.shape[batch_dim] != n:
-            raise CannotReplay(
-                f"the gradient of its output {path!r} has shape {tuple(g.shape)}, without a "
-                f"row per sample along batch_dim={batch_dim} (batch of {n})"
-            )
+    split = split_call(module, args, kwargs, n, batch_dim)
+    slots = {path: split.output_slot(path, g) for path, g in grad_outputs.items()}
     sl = samples or slice(0, n)
-
-    def batched(t: Tensor) -> bool:
-        return t.dim() > batch_dim and t.shape[batch_dim] == n
-
-    gs = {k: g.narrow(batch_dim, sl.start, sl.stop - sl.start) * scale
-          for k, g in grad_outputs.items()}
+    # The cotangent of each output on one sample: d s_n / d output; a 0-dim output (a value
+    # reduced over the batch) keeps its gradient as is.
+    scales = {path: 1.0 if isinstance(slot, Scalar) else scale for path, slot in slots.items()}
     own = {k for k, _ in module.named_parameters(remove_duplicate=False)}
     with _buffers_restored(module), torch.enable_grad(), _autocast(autocast):
-        if all(k in own for k in params):
+        if all(k in own for k in params) and split.vmappable and all(
+                s.vmappable for s in slots.values()):
             try:
-                return _vmapped(module, args, kwargs, gs, params, batched, batch_dim, sl)
+                return _vmapped(module, split, grad_outputs, slots, scales, params, sl)
             except UnsupportedModuleError:
                 raise
             except Exception as err:  # noqa: BLE001 - vmap cannot run every forward: loop
                 if "randomness" in str(err):
                     raise _random_error(name, module) from err
         try:
-            return _looped(module, name, args, kwargs, gs, params, batched, batch_dim, sl)
+            return _looped(module, name, split, grad_outputs, slots, scales, params, sl)
         except (UnsupportedModuleError, CannotReplay):
             raise
         except Exception as err:  # noqa: BLE001 - say which call, keep the cause
             raise CannotReplay(f"its replay failed: {type(err).__name__}: {err}") from err
 
 
-def _sum_products(out: Any, gs: dict[str, Tensor], batch_dim: int, squeeze: bool) -> Tensor | None:
+class _OtherShape(Exception):  # noqa: N818 - internal signal: vmap cannot narrow, loop
+    """An output on one sample has another shape than its gradient's part."""
+
+
+def _sum_products(out: Any, gs: dict[str, Tensor], slots: dict[str, Slot], n: int,
+                  i: int | None) -> Tensor | None:
+    """``sum_k <out_k, gs_k>`` over the output paths with a gradient. An output that still
+    holds the whole batch along its slot (a call whose only argument is the batch size) is
+    cut to sample ``i``'s part (``None`` inside ``vmap``: refused, the loop does it)."""
     total: Tensor | None = None
     for path, o in flatten_tensors(out, "output"):
         g = gs.get(path)
         if g is None:
             continue
-        term = (o * (g.unsqueeze(batch_dim) if squeeze else g)).sum()
+        slot = slots[path]
+        if o.shape != g.shape:
+            if i is None:
+                raise _OtherShape(path)
+            if isinstance(slot, Dim) and slot.rows(o) == n:
+                o = slot.take(o, i)
+            if o.shape != g.shape:
+                raise CannotReplay(
+                    f"its output {path!r} on one sample has shape {tuple(o.shape)}, but its "
+                    f"gradient's part for that sample has shape {tuple(g.shape)}")
+        term = (o * g).sum()
         total = term if total is None else total + term
     return total
 
 
-def _vmapped(module: nn.Module, args: Any, kwargs: dict[str, Any], gs: dict[str, Tensor],
-             params: dict[str, Tensor], batched: Callable[[Tensor], bool], batch_dim: int,
+def _vmapped(module: nn.Module, split: CallSplit, grad_outputs: dict[str, Tensor],
+             slots: dict[str, Slot], scales: dict[str, float], params: dict[str, Tensor],
              sl: slice) -> dict[str, Tensor]:
-    xs: list[Tensor] = []
-
-    def collect(t: Tensor) -> Tensor:
-        if batched(t):
-            xs.append(t.detach().narrow(batch_dim, sl.start, sl.stop - sl.start))
-        return t
-
-    map_tensors((args, kwargs), collect)
+    xs = split.stacked(sl)
+    n = split.n
+    gs = {k: slots[k].stacked(g, n)[sl] * scales[k] for k, g in grad_outputs.items()
+          if not isinstance(slots[k], Scalar)}
+    shared = {k: g for k, g in grad_outputs.items() if isinstance(slots[k], Scalar)}
     diff = {k: v.detach() for k, v in params.items()}
 
     def sample_loss(p: dict[str, Tensor], x: list[Tensor], g: dict[str, Tensor]) -> Tensor:
-        it = iter(x)
-        a, k = map_tensors((args, kwargs), lambda t: next(it).unsqueeze(batch_dim)
-                           if batched(t) else t.detach())
+        a, k = split.rebuild(x)
         out = functional_call(module, p, tuple(a), k, strict=False)
-        total = _sum_products(out, g, batch_dim, squeeze=True)
+        total = _sum_products(out, {**g, **shared}, slots, n, None)
         if total is None:
             return sum(v.sum() * 0 for v in p.values())  # type: ignore[return-value]
         return total
 
     with quiet_vmap():
-        return vmap(grad(sample_loss), in_dims=(None, batch_dim, batch_dim),
-                    randomness="error")(diff, xs, gs)
+        out = vmap(grad(sample_loss), in_dims=(None, 0, 0), randomness="error")(diff, xs, gs)
+    # The module's other parameters took part as constants of grad's function, not of ours.
+    return {k: v.detach() for k, v in out.items()}
 
 
-def _looped(module: nn.Module, name: str, args: Any, kwargs: dict[str, Any],
-            gs: dict[str, Tensor], params: dict[str, Tensor], batched: Callable[[Tensor], bool],
-            batch_dim: int, sl: slice) -> dict[str, Tensor]:
+def _looped(module: nn.Module, name: str, split: CallSplit, grad_outputs: dict[str, Tensor],
+            slots: dict[str, Slot], scales: dict[str, float], params: dict[str, Tensor],
+            sl: slice) -> dict[str, Tensor]:
     names = list(params)
     leaves = [params[k] for k in names]
     out: dict[str, list[Tensor]] = {k: [] for k in names}
     cpu_rng = torch.get_rng_state()
     cuda = [leaf.device for leaf in leaves if leaf.device.type == "cuda"][:1]
     cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda]
-    for i in range(sl.stop - sl.start):
-        def sample(t: Tensor, i: int = i) -> Tensor:
-            return t.detach().narrow(batch_dim, sl.start + i, 1) if batched(t) else t.detach()
-
-        a, k = map_tensors((args, kwargs), sample)
+    for i in range(sl.start, sl.stop):
+        a, k = split.one(i)
         result = module(*a, **k)
-        g_i = {p: g.narrow(batch_dim, i, 1) for p, g in gs.items()}
-        total = _sum_products(result, g_i, batch_dim, squeeze=False)
+        g_i = {p: slots[p].take(g, i) * scales[p] for p, g in grad_outputs.items()}
+        total = _sum_products(result, g_i, slots, split.n, i)
         grads: tuple[Tensor | None, ...] = (None,) * len(leaves)
         if total is not None and total.requires_grad:
             grads = torch.autograd.grad(total, leaves, allow_unused=True)
@@ -271,7 +279,8 @@ def _looped(module: nn.Module, name: str, args: Any, kwargs: dict[str, Any],
         not torch.equal(s, torch.cuda.get_rng_state(d)) for d, s in zip(cuda, cuda_rng))
     if moved:
         raise _random_error(name, module)
-    return {k: torch.stack(v) for k, v in out.items()}
+    return {k: torch.stack(v) if v else leaf.new_zeros((0, *leaf.shape))
+            for (k, v), leaf in zip(out.items(), leaves, strict=True)}
 
 
 def grad_fallback(
@@ -307,7 +316,7 @@ def grad_fallback(
     """
     if n is None:
         n = next(iter(inputs.values())).shape[batch_dim]
-    args, kwargs = _bind(module, name, _nest(inputs))
+    args, kwargs = _bind(module, name, restore(module, _nest(inputs)))
     every: dict[str, Tensor] = dict(module.named_parameters())
     params = {k: every[k] for k in names}
     gs = {k: g for k, g in grad_outputs.items() if g is not None}

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
+from gradtap._per_sample.layout import CallSplit, Dim
 from gradtap._per_sample.rule import PER_SAMPLE, PerSampleRule
 from gradtap.errors import UnsupportedModuleError
 from gradtap.record import flatten_tensors
@@ -183,8 +184,12 @@ def batch_size_of(who: str, args: tuple, kwargs: dict[str, Any], batch_dim: int)
 
 
 def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Tensor],
-                  n: int | None, bd: int) -> str | None:
-    """Why this call's own record cannot give per-sample gradients, or ``None``."""
+                  n: int | None, bd: int, split: CallSplit | None = None) -> str | None:
+    """Why this call's own record cannot give per-sample gradients, or ``None``.
+
+    ``split``: the call's arguments split into samples, for a module without a rule: its
+    outputs then need a row per sample where the call's layout puts them (``_per_sample.
+    layout``; a 0-dim output, reduced over the batch, is replayed on each sample alone)."""
 
     def wrong_rows(key: str, t: Tensor, what: str) -> str:
         found = rows(t, bd)
@@ -207,6 +212,15 @@ def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Te
     # A module without a rule is replayed with its arguments: those without a row per
     # sample are shared, but every output needs one.
     for path, t in outputs.items():
+        if t.requires_grad and owner.entry is None and (split is not None or t.dim() == 0):
+            slot = split.slot_of(path, t) if split is not None else None
+            if not isinstance(slot, Dim) or slot.rows(t) == n:
+                continue  # reduced over the batch, or rows of its own (packed sequences)
+            if slot.dim != bd:
+                found = slot.rows(t)
+                return (f"its output {path!r} of shape {tuple(t.shape)} has "
+                        f"{'no' if found is None else found} rows along dim {slot.dim} for {n} "
+                        "samples")
         if t.requires_grad and rows(t, bd) != n:
             found = rows(t, bd)
             return (f"its output {path!r} of shape {tuple(t.shape)} has "

@@ -46,7 +46,7 @@ def results(params: dict[str, nn.Parameter], n: int, quantities: Collection[str]
         if g is not None:
             grads[qual] = g
             if want_norm:
-                norms[qual] = g.flatten(1).square().sum(1)
+                norms[qual] = (g.flatten(1) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1)
             if "second_moment" in quantities:
                 second[qual] = g.square().mean(0)
             if want_var:

@@ -184,7 +184,7 @@ class PerSampleRule:
         parts: dict[str, list[Tensor]] = {}
         for sl in chunks(inp.shape[0], _numel(module, names), budget(inp, grad_out)):
             for k, g in self.grad(module, inp[sl], grad_out[sl], names).items():
-                parts.setdefault(k, []).append(g.flatten(1).square().sum(1))
+                parts.setdefault(k, []).append((g.flatten(1) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1))
         return {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
 
     def sum_sq_of(self, module: nn.Module, inp: Tensor, grad_out: Tensor,

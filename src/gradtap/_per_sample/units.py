@@ -33,11 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from gradtap._per_sample.fallback import AutocastState, CannotReplay, autocast_state, replay_call
-from gradtap.capture import made_since, sequence_mark
+from gradtap._per_sample.layout import CallSplit, split_call
+from gradtap.capture import HookSet, made_since, sequence_mark
+from gradtap.capture.boundary import mark_boundary
 from gradtap.record import flatten_tensors
 
-__all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "largest_norm", "mismatches",
-           "replay_frames", "tolerance"]
+__all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "innermost_around",
+           "largest_norm", "mismatches", "replay_frames", "tolerance", "watch_outputs"]
 
 #: Outermost calls kept per forward group (forwards since the last backward); a group that
 #: runs more forwards than this without a backward starts over, so nothing piles up.
@@ -48,11 +50,12 @@ class Frame:
     """One call of an enclosing module: its arguments, and later its output gradients."""
 
     __slots__ = ("name", "module", "args", "kwargs", "versions", "start", "autocast", "grads",
-                 "keep", "outer", "settled")
+                 "keep", "outer", "settled", "chain")
 
     def __init__(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                 outer: bool) -> None:
+                 outer: bool, around: tuple[Frame, ...] = ()) -> None:
         self.name, self.module, self.outer = name, module, outer
+        self.chain: tuple[Frame, ...] = (*around, self)  # the calls around it, outermost first
         self.args: tuple | None = args
         self.kwargs: dict[str, Any] | None = kwargs
         self.versions = [(t, t._version) for _, t in flatten_tensors((args, kwargs), "a")]
@@ -79,6 +82,12 @@ class Frame:
                     "(a cache)")
         return None
 
+    def split(self, n: int, batch_dim: int) -> CallSplit | None:
+        """The call's arguments split into samples (``None`` once dropped)."""
+        if self.args is None or self.kwargs is None:
+            return None
+        return split_call(self.module, self.args, self.kwargs, n, batch_dim)
+
     def drop(self) -> None:
         self.args = self.kwargs = None
         self.versions = []
@@ -100,6 +109,51 @@ def _opaque(obj: Any) -> str | None:
     if isinstance(obj, dict) and type(obj) is dict:
         return next((o for o in map(_opaque, obj.values()) if o is not None), None)
     return type(obj).__name__
+
+
+def watch_outputs(frame: Frame, output: Any, hooks: HookSet,
+                  seen: Callable[[Frame, str, Tensor], None]) -> None:
+    """Call ``seen(frame, path, grad)`` with the gradient of each output made by the call
+    from its uses after the call returned: uses inside the call (a hidden state the call also
+    turned into logits) are not part of it, as for a record's ``grad_outputs``. A view, which
+    cannot carry a boundary node, is watched at its own node."""
+    for path, t in flatten_tensors(output, "output"):
+        if not frame.owns_output(t):
+            continue
+
+        def sink(g: Tensor, path: str = path) -> Tensor:
+            seen(frame, path, g)
+            return g
+
+        # A view of a tensor made before the call (a slice of an argument) keeps its node.
+        inside = not t._is_view() or (t._base is not None and made_since(t._base, frame.start))
+        if not inside or not mark_boundary(t, sink):
+            hooks.gradient(t, functools.partial(seen, frame, path))
+
+
+def innermost_around(names: list[str], frames: list[Frame]) -> list[Frame]:
+    """The kept calls of the innermost module that encloses every one of ``names`` (modules
+    none of whose calls was seen: a table read through ``.weight`` by a parent), or ``[]``."""
+    if not names:
+        return []
+    common = [".".join(p) for p in _common_prefixes([n.split(".") if n else [] for n in names])]
+    for name in reversed(common):
+        found = [f for f in frames if f.name == name and f.args is not None]
+        if found:
+            return found
+    return []
+
+
+def _common_prefixes(parts: list[list[str]]) -> list[list[str]]:
+    """Every proper ancestor shared by all the dotted names, outermost first (the root ``[]``
+    included)."""
+    shortest = min(len(p) for p in parts)
+    out: list[list[str]] = [[]]
+    for i in range(shortest - 1 if any(len(p) == shortest for p in parts) else shortest):
+        if len({p[i] for p in parts}) != 1:
+            break
+        out.append(parts[0][: i + 1])
+    return out
 
 
 def candidates(calls: list[tuple[Frame, ...]]) -> list[str]:
