@@ -34,8 +34,7 @@ from torch import Tensor, nn
 
 from gradtap._per_sample.fallback import AutocastState, CannotReplay, autocast_state, replay_call
 from gradtap._per_sample.layout import CallSplit, split_call
-from gradtap.capture import HookSet, made_since, sequence_mark
-from gradtap.capture.boundary import mark_boundary
+from gradtap.capture import HookSet, made_since, mark_boundary, sequence_mark
 from gradtap.record import flatten_tensors
 
 __all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "innermost_around",

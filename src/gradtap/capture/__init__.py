@@ -20,6 +20,7 @@ they use these names:
   warning saying that it runs eagerly; :func:`run_eagerly` for module hooks made without a
   tap (``compiled.py``);
 * :func:`sequence_mark` and :func:`made_since`: whether a tensor was made after a point;
+* :func:`mark_boundary`: a node on a tensor that sees only the gradient of its later uses;
 * :func:`argument_tensors`: a call's tensor arguments named as the records name them;
   :func:`legacy_backward_grads` for ``explain(legacy=True)``.
 """
@@ -27,6 +28,7 @@ they use these names:
 from __future__ import annotations
 
 from gradtap.capture.amp import ScalerWatch, check_scaler
+from gradtap.capture.boundary import mark_boundary
 from gradtap.capture.compiled import compiled_feature, run_eagerly
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
 from gradtap.capture.graph import made_since, sequence_mark
@@ -53,6 +55,7 @@ __all__ = [
     "in_recomputation",
     "legacy_backward_grads",
     "made_since",
+    "mark_boundary",
     "replaying",
     "run_eagerly",
     "saved_tensors",
