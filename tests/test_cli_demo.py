@@ -223,7 +223,16 @@ def test_progress_bar_redraws_on_a_terminal():
     bar.close()
     text = stream.getvalue()
     assert text.count("\r") == 5 and text.endswith("\n")
-    assert "[" + "#" * 30 + "] 5/5" in text and "loss  0.2000" in text
+    assert "[" + "#" * 30 + "] 5/5  step 4  loss  0.2000" in text  # steps from 0, as stored
+
+
+def test_progress_lines_in_a_log_number_steps_as_the_store_does():
+    stream = io.StringIO()
+    bar = cli._Progress(stream)
+    for step in range(20):
+        bar(step, 20, 1.0, 0.5)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 0 (1/20 done)") and lines[-1].startswith("step 19 (20/20 done)")
 
 
 def test_console_script_exit_code(tmp_path):

@@ -369,7 +369,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 class _Progress:
-    """A one-line progress bar with loss and gradient norm (redrawn on a terminal)."""
+    """A one-line progress bar with loss and gradient norm (redrawn on a terminal). Steps are
+    numbered from 0, as the run store numbers them; the bar counts the steps done."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
@@ -382,14 +383,15 @@ class _Progress:
         if not self.tty:  # a log file: about ten lines
             if done == total or done * 10 // total > self.shown:
                 self.shown = done * 10 // total
-                print(f"step {done}/{total}  loss {loss:.4f}  "
+                print(f"step {step} ({done}/{total} done)  loss {loss:.4f}  "
                       f"grad norm {format_number(grad_norm)}",
                       file=self.stream, flush=True)
             return
         width = 30
         filled = width * done // total
         line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}  "
-                f"loss {loss:7.4f}  grad norm {format_number(grad_norm):>9}")
+                f"step {step:>{len(str(total))}}  loss {loss:7.4f}  "
+                f"grad norm {format_number(grad_norm):>9}")
         self.stream.write(line)
         self.stream.flush()
         self.open = True
