@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+import gradtap as gt
 import gradtap.report as report
 from gradtap.demo import run_demo
 from gradtap.errors import SelectionError, StoreError
@@ -549,3 +550,25 @@ def test_escaped_names_in_headless_chromium(evil_run, browser, tmp_path):
     assert browser.eval("[...document.querySelectorAll('b')].every(b => b.textContent !== 'bold')")
     series = {ln["series"] for p in dom["plots"] for ln in p["lines"]}
     assert EVIL + ".weight" in series
+
+
+def test_spikes_the_detector_reported_are_marked_on_the_norm_charts(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    run_dir = tmp_path / "run"
+    with gt.Monitor(net, store=run_dir) as mon, \
+            gt.detect(net, spike=5.0, warmup=3, action="record") as det:
+        for step in range(6):
+            if step == 5:
+                with torch.no_grad():
+                    net[2].weight.mul_(1000.0)
+            net(torch.randn(8, 4)).pow(2).mean().backward()
+            mon.step()
+            det.step()
+            net.zero_grad()
+    report.write_anomalies(run_dir, det.anomalies)
+    assert [(a.kind, a.step) for a in det.anomalies] == [("spike", 5)]
+    page = report.write_report(run_dir).read_text()
+    assert page.count('class="gt-event"') == 1
+    assert "<title>spike at step 5 in &#x27;2&#x27; (param_grad)</title>" in page
+    assert "dashed orange lines the spikes the detector reported" in page

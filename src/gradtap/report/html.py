@@ -278,12 +278,15 @@ def _norms(data: ReportData) -> str:
             x, y = _bucket(series[name][0].astype(float), series[name][1], _MAX_POINTS)
             lines.append(svg.Line(name, x, y))
         pid = f"norms-{kind}"
+        spikes = [(float(a["step"]), f"spike at step {a['step']} in {a['module_name']!r} "
+                   f"({a['where']})") for a in data.anomalies if a.get("kind") == "spike"]
         chart = svg.line_chart(lines, plot_id=pid, title=f"L2 norm of {label} per step",
-                               log_y=True, y_label="L2 norm (log)")
+                               log_y=True, y_label="L2 norm (log)", events=spikes)
         out.append(f"<h3>{escape(label)}</h3>" + _figure(
             chart, _legend(pid, names),
             "L2 norm per step, log scale. Hover a name to highlight its line; red triangles "
-            "mark steps with NaN/Inf."))
+            "mark steps with NaN/Inf" + (", dashed orange lines the spikes the detector "
+                                         "reported." if spikes else ".")))
     return "".join(out) or _empty("No gradient norms were recorded (the Monitor's stats "
                                   "did not include 'norm').")
 
@@ -327,7 +330,8 @@ def _heatmaps(data: ReportData) -> str:
 
 def _histograms(data: ReportData) -> str:
     if not data.histograms:
-        return _empty("No histograms: create the Monitor with hist_bins=N to record them.")
+        return _empty("No histograms: gt.Monitor(..., hist_bins=N) and the callbacks' "
+                      "hist_bins=N record them (gradtap watch records none).")
     cells = []
     edges0 = np.asarray(next(iter(data.histograms.values()))[0], dtype=float)
     widths = np.diff(edges0)

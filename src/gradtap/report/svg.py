@@ -180,6 +180,7 @@ def line_chart(
     y_label: str = "",
     bands: Sequence[Band] = (),
     hlines: Sequence[tuple[float, str]] = (),
+    events: Sequence[tuple[float, str]] = (),
     width: int = 960,
     height: int = 320,
     y_domain: tuple[float, float] | None = None,
@@ -197,6 +198,8 @@ def line_chart(
         x_label, y_label: axis labels.
         bands: filled bands drawn under the lines.
         hlines: ``(value, label)`` dashed reference lines.
+        events: ``(step, label)`` marked by a dashed vertical line (a spike the detector
+            reported), the label as its tooltip.
         width, height: size in px (the SVG scales to its container).
         y_domain: fixed value range instead of the data's.
     """
@@ -225,6 +228,12 @@ def line_chart(
                          f'y2="{y:.1f}" stroke="#888" stroke-dasharray="4 4"/>'
                          f'<text x="{width - f.right - 4}" y="{y - 4:.1f}" text-anchor="end" '
                          f'class="gt-reflabel">{escape(label)}</text>')
+    for v, label in events:
+        if x0 <= v <= x1:
+            x = sx(v)
+            parts.append(f'<line class="gt-event" x1="{x:.1f}" x2="{x:.1f}" y1="{f.top}" '
+                         f'y2="{height - f.bottom}" stroke="#bc4c00" stroke-dasharray="2 3">'
+                         f'<title>{escape(label)}</title></line>')
     bad_x: dict[float, list[str]] = {}
     for i, ln in enumerate(lines):
         color, dash = (ln.color, ln.dash) if ln.color else color_for(i)
