@@ -170,6 +170,10 @@ def test_an_uncaught_exception_keeps_its_exit_code_and_the_report_is_written(tmp
     assert sorted(run.names) == ["2.bias", "2.weight"]
     assert sorted(run.frame().stat.unique()) == ["absmax", "norm"]
     assert (out / "report.html").is_file() and (out / "anomalies.json").is_file()
+    # Why it failed, in the metadata and on the report.
+    assert run.meta["error"] == "RuntimeError: the script's own error"
+    page = (out / "report.html").read_text()
+    assert "RuntimeError: the script&#x27;s own error" in page and ">exit code<" in page
 
 
 HF = """

@@ -35,6 +35,7 @@ from gradtap._monitor.monitor import Monitor
 from gradtap.capture import HookSet, ScalerWatch
 from gradtap.report.data import write_anomalies
 from gradtap.select import select_parameters, unwrap_model
+from gradtap.store import set_run_meta
 
 __all__ = ["install", "uninstall", "owner_model", "store_path"]
 
@@ -233,12 +234,16 @@ class _Watcher:
         """Close the Monitors (status ``failed`` after an uncaught exception) and the hooks."""
         if os.getpid() != self.pid:
             return
-        status = "failed" if getattr(sys, "last_value", None) is not None else "finished"
+        error = getattr(sys, "last_value", None)
+        status = "failed" if error is not None else "finished"
         self.hooks.remove()
         opened, self.open = self.open, []
         for watched in opened:
             try:
                 watched.close(status)
+                if error is not None and watched.monitor.rank == 0 and watched.path.is_dir():
+                    # why it failed, for the report (the exit code is added by the launcher)
+                    set_run_meta(watched.path, error=f"{type(error).__name__}: {error}"[:500])
             except Exception as exc:
                 self._say(f"could not close the run in {watched.path} ({exc})")
 

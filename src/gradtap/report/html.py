@@ -199,11 +199,23 @@ def _value(v: Any) -> str:
 # -- sections --------------------------------------------------------------------------------
 
 
+def _ending(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """Why a failed run ended, as overview cards: the exception, the exit code or signal."""
+    cards = []
+    if meta.get("error"):
+        cards.append(("error", str(meta["error"])))
+    code = meta.get("exit_code")
+    if isinstance(code, int) and code != 0:
+        cards.append(("exit code", f"{code}" + (f" (signal {code - 128})" if code > 128 else "")))
+    return cards
+
+
 def _overview(data: ReportData) -> str:
     meta = data.meta
     model = meta.get("model") or {}
     steps = data.steps
     cards = [("status", str(meta.get("status"))),
+             *_ending(meta),
              ("steps stored", f"{len(steps)}" + (f" ({steps[0]}–{steps[-1]})" if steps else "")),
              ("model", f"{model.get('class', '?')}"),
              ("parameters", f"{model.get('num_parameters', 0):,}" if isinstance(
