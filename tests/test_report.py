@@ -572,3 +572,28 @@ def test_spikes_the_detector_reported_are_marked_on_the_norm_charts(tmp_path):
     assert page.count('class="gt-event"') == 1
     assert "<title>spike at step 5 in &#x27;2&#x27; (param_grad)</title>" in page
     assert "dashed orange lines the spikes the detector reported" in page
+
+
+def test_the_non_finite_table_starts_at_the_detected_origin(tmp_path):
+    torch.manual_seed(0)
+    nn = torch.nn
+    net = nn.Sequential()
+    net.add_module("block1", nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    net.add_module("block2", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    run_dir = tmp_path / "run"
+    with gt.Monitor(net, store=run_dir) as mon, gt.detect(net, action="record") as det:
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    net.block2[0].weight[0, 0] = float("nan")  # the origin, in block2
+            net(torch.randn(3, 4)).sum().backward()
+            mon.step()
+            det.step()
+            net.zero_grad()
+    report.write_anomalies(run_dir, det.anomalies)
+    assert det.anomalies[0].module_name == "block2.0"
+    rows = report.build_report_data(run_dir).derived_anomalies
+    # The NaN reached both blocks' gradients in that step (block1's through block2.0's
+    # weight, block2.2's through its input); block1 comes first in model order.
+    assert {r["name"] for r in rows} >= {"block1.0.weight", "block2.2.weight"}
+    assert rows[0]["name"].startswith("block2.") and rows[0]["step"] == 1

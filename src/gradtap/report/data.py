@@ -369,7 +369,20 @@ def _damaged(run: Run, err: Exception) -> StoreError:
 
 
 def _derived_anomalies(data: ReportData) -> list[dict[str, Any]]:
-    """First step with NaN/Inf elements of each tensor, from the stored ``nonfinite`` counts."""
+    """First step with NaN/Inf elements of each tensor, from the stored ``nonfinite`` counts:
+    by first step; within a step, the tensors of the top-level block holding a module the
+    detector named as an origin at that step first, then output gradients before parameter
+    gradients, in model order."""
+    origins: dict[int, list[str]] = {}
+    for a in data.anomalies:
+        if isinstance(a.get("step"), int) and isinstance(a.get("module_name"), str):
+            origins.setdefault(a["step"], []).append(a["module_name"].split(".")[0])
+
+    def at_origin(row: dict[str, Any]) -> bool:
+        name = str(row["name"])
+        module = name.rpartition(":")[0] if row["kind"] == "grad_output" else name.rpartition(".")[0]
+        return module.split(".")[0] in origins.get(row["step"], [])
+
     out = []
     for kind, by_name in data.nonfinite.items():
         for name, (st, vals) in by_name.items():
@@ -379,7 +392,8 @@ def _derived_anomalies(data: ReportData) -> list[dict[str, Any]]:
                             "steps": int(len(bad)), "max_count": int(np.nanmax(vals[bad])),
                             "last_step": int(st[bad[-1]])})
     kind_rank = {"grad_output": 0, "param_grad": 1, "update": 2}
-    out.sort(key=lambda a: (a["step"], kind_rank.get(str(a["kind"]), 9)))  # stable: model order
+    out.sort(key=lambda a: (a["step"], not at_origin(a),  # stable: model order
+                            kind_rank.get(str(a["kind"]), 9)))
     return out
 
 

@@ -469,8 +469,9 @@ def _anomalies(data: ReportData) -> str:
             for i, a in enumerate(data.derived_anomalies))
         html += ("<h3>Non-finite values in the statistics</h3>"
                  '<p class="muted">From the stored <code>nonfinite</code> counts of every '
-                 "tensor that ever held NaN/Inf: by first step, output gradients before "
-                 "parameter gradients, then in model order.</p>"
+                 "tensor that ever held NaN/Inf: by first step; within a step, the block "
+                 "holding the origin the detector named first, then output gradients before "
+                 "parameter gradients, in model order.</p>"
                  '<table class="data" id="nonfinite-table"><thead><tr><th>first step</th>'
                  "<th>tensor</th><th>kind</th><th>steps affected</th><th>last step</th>"
                  f"<th>max NaN/Inf count</th></tr></thead><tbody>{rows}</tbody></table>")
