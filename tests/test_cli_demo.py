@@ -59,7 +59,7 @@ def test_demo_writes_run_report_and_summary(demo_output, demo_dir):
     assert 'id="anomaly-table"' in report.read_text()
     # progress went to stderr (not a terminal here: one line per tenth)
     lines = [ln for ln in err.splitlines() if ln.startswith("step ")]
-    assert lines[-1].startswith(f"step {STEPS}/{STEPS}") and "loss" in lines[-1]
+    assert lines[-1].startswith(f"step {STEPS - 1} ({STEPS}/{STEPS} done)") and "loss" in lines[-1]
     assert 5 <= len(lines) <= 12
 
 

@@ -204,3 +204,10 @@ def test_16_mixed_unscaled_norms_and_an_overflow_recorded_not_skipped(tmp_path, 
         for name, norm in seen.items():
             got = df[(df.step == step) & (df.name == name)].value.item()
             assert got == pytest.approx(norm, rel=1e-5), (step, name)
+
+
+def test_the_callback_watches_output_gradients_too(tmp_path):
+    cb = GradtapCallback(kinds=("param_grad", "grad_output"))  # its option check used to refuse
+    trainer(tmp_path, cb, max_steps=2, enable_checkpointing=False).fit(Tiny(), data())
+    run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
+    assert set(run.frame().kind) == {"param_grad", "grad_output"} and run.steps == [0, 1]

@@ -12,12 +12,12 @@ import gradtap as gt
 CONTRACT = {
     "records": {"tap", "GradRecord", "explain", "SelectionError", "GradtapError"},
     "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},
-    "detect": {"detect", "Anomaly", "GradientAnomaly", "load_dump"},
+    "detect": {"detect", "Detector", "Anomaly", "GradientAnomaly", "load_dump"},
     "per_sample": {"per_sample", "UnsupportedModuleError"},
-    "monitor": {"Monitor", "Run", "open_run", "to_tensorboard"},
+    "monitor": {"Monitor", "Run", "open_run", "to_tensorboard", "StoreError"},
     "transforms": {"Transform", "add_noise", "centralize", "chain", "clip_global_norm",
                    "clip_norm", "clip_value", "ewma", "flip", "normalize", "scale", "stateless",
-                   "transform", "zero"},
+                   "transform", "TransformHandle", "zero"},
 }
 
 

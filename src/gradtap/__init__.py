@@ -1,11 +1,12 @@
 """gradtap: see, understand and shape the gradients flowing backward through a PyTorch model."""
 
 from gradtap import functional
-from gradtap._detect import Anomaly, detect, load_dump
+from gradtap._detect import Anomaly, Detector, detect, load_dump
 from gradtap._explain import Explanation, explain
 from gradtap._per_sample import PerSample, per_sample
 from gradtap._transform import (
     Transform,
+    TransformHandle,
     add_noise,
     centralize,
     chain,
@@ -22,7 +23,13 @@ from gradtap._transform import (
 )
 from gradtap.capture import Tap, tap
 from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
-from gradtap.errors import GradientAnomaly, GradtapError, SelectionError, UnsupportedModuleError
+from gradtap.errors import (
+    GradientAnomaly,
+    GradtapError,
+    SelectionError,
+    StoreError,
+    UnsupportedModuleError,
+)
 from gradtap.export import to_tensorboard
 from gradtap.functional.explicit import explicit_conv
 from gradtap.monitor import Monitor
@@ -34,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Anomaly",
+    "Detector",
     "Explanation",
     "GradRecord",
     "GradientAnomaly",
@@ -42,8 +50,10 @@ __all__ = [
     "PerSample",
     "Run",
     "SelectionError",
+    "StoreError",
     "Tap",
     "Transform",
+    "TransformHandle",
     "UnsupportedModuleError",
     "add_noise",
     "centralize",

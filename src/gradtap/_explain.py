@@ -56,12 +56,23 @@ class Explanation:
         return self.render(shutil.get_terminal_size().columns)
 
     def render(self, width: int | None = None) -> str:
-        """The tables of every record and a legend; lines cut to ``width`` characters when
-        given (``str()`` uses the terminal's width, ``COLUMNS`` where set), with ``...``."""
+        """The tables of every record and a legend. With ``width``, table rows are cut to it
+        (with ``...``) and the legend and notes wrapped; titles stay whole. ``str()`` uses the
+        terminal's width (``COLUMNS`` where set)."""
+
+        def fit(lines: list[str]) -> list[str]:
+            if not width:
+                return lines
+            return [line if len(line) <= width else line[:max(width - 3, 1)] + "..."
+                    for line in lines]
+
+        def wrap(text: str) -> str:
+            return "\n".join(textwrap.wrap(text, width)) if width else text
+
         blocks = []
         for rec in self.records:
             title = f"{rec.module_type} {rec.module_name or '(root)'!r} call {rec.call}"
-            lines = [title, *self.table(rec), *(f"note: {n}" for n in rec.notes)]
+            lines = [title, *fit(self.table(rec)), *(wrap(f"note: {n}") for n in rec.notes)]
             blocks.append("\n".join(lines))
         legend = (
             "Each row is one gradient the backward of that call touched: 'output' rows are "
@@ -72,11 +83,7 @@ class Explanation:
         if self.legacy:
             legend += (" 'legacy' is the index of that gradient in grad_input of the legacy "
                        "module.register_backward_hook ('-': not there).")
-        text = "\n\n".join([*blocks, "\n".join(textwrap.wrap(legend, width)) if width else legend])
-        if not width:
-            return text
-        return "\n".join(line if len(line) <= width else line[:max(width - 3, 1)] + "..."
-                         for line in text.splitlines())
+        return "\n\n".join([*blocks, wrap(legend)])
 
     def _repr_html_(self) -> str:
         """Every record's table as HTML, for notebooks."""
@@ -86,8 +93,8 @@ class Explanation:
 def explain(
     model: nn.Module,
     inputs: Tensor | tuple[Any, ...] | Mapping[str, Any],
-    loss: Callable[[Any], Tensor] | None = None,
     *,
+    loss: Callable[[Any], Tensor] | None = None,
     select: Selector = "*",
     legacy: bool = False,
 ) -> Explanation:

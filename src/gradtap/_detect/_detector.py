@@ -58,12 +58,12 @@ class Detector:
         self,
         model: nn.Module,
         select: Selector = "*",
+        *,
         nonfinite: bool = True,
         spike: float | None = None,
         warmup: int = 10,
         action: ActionLiteral = "raise",
         dump_dir: str | os.PathLike[str] | None = None,
-        *,
         spike_beta: float = 0.9,
         replay: bool | None = None,
         screen: ScreenLiteral | None = None,
@@ -549,12 +549,12 @@ class Detector:
 def detect(
     model: nn.Module,
     select: Selector = "*",
+    *,
     nonfinite: bool = True,
     spike: float | None = None,
     warmup: int = 10,
     action: ActionLiteral = "raise",
     dump_dir: str | os.PathLike[str] | None = None,
-    *,
     spike_beta: float = 0.9,
     replay: bool | None = None,
     screen: ScreenLiteral | None = None,
@@ -668,5 +668,5 @@ def detect(
         >>> (a.module_name, a.kind, a.where, a.slot, skip)
         ('0', 'nan', 'forward', 'bias', True)
     """
-    return Detector(model, select, nonfinite, spike, warmup, action, dump_dir,
-                    spike_beta=spike_beta, replay=replay, screen=screen, scaler=scaler)
+    return Detector(model, select, nonfinite=nonfinite, spike=spike, warmup=warmup,
+                    action=action, dump_dir=dump_dir, spike_beta=spike_beta, replay=replay, screen=screen, scaler=scaler)

@@ -140,10 +140,10 @@ def _check_ddp(model: nn.Module, when: WhenLiteral | None, on: OnLiteral) -> Non
 def transform(
     model: nn.Module,
     rules: Rules,
+    *,
     when: WhenLiteral | None = None,
     on: OnLiteral = "param_grad",
     optimizer: torch.optim.Optimizer | None = None,
-    *,
     scaler: torch.amp.GradScaler | None = None,
 ) -> TransformHandle:
     """Apply stateful gradient transforms to selected parameters or module gradients.

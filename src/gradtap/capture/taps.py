@@ -43,9 +43,9 @@ class Tap:
         self,
         model: nn.Module,
         select: Selector = "*",
+        *,
         keep: Iterable[KeepLiteral] = (),
         to: torch.device | str | None = None,
-        *,
         on_record: RecordCallback | None = None,
         store: bool = True,
         listener: Listener | None = None,
@@ -157,9 +157,9 @@ class Tap:
 def tap(
     model: nn.Module,
     select: Selector = "*",
+    *,
     keep: Iterable[KeepLiteral] = (),
     to: torch.device | str | None = None,
-    *,
     on_record: RecordCallback | None = None,
     store: bool = True,
     listener: Listener | None = None,
@@ -200,7 +200,7 @@ def tap(
         >>> [(r.module_name, sorted(r.param_grads)) for r in t.records]
         [('2', ['bias', 'weight']), ('1', []), ('0', ['bias', 'weight'])]
     """
-    return Tap(model, select, keep, to, on_record=on_record, store=store, listener=listener)
+    return Tap(model, select, keep=keep, to=to, on_record=on_record, store=store, listener=listener)
 
 
 def _unknown_name(name: str, names: list[str]) -> str:

@@ -57,8 +57,10 @@ class CallbackCore:
         self._last_step = -1
         self._anomalies: list[Any] = []
         self._pending_state: dict[str, Any] | None = None
-        # Checked now, not at the first training step: a bad option fails where it is written.
-        Monitor(nn.Linear(1, 1), "*", self.stats, self.kinds, ewma, hist_bins, every).close()
+        # Checked now, not at the first training step: a bad option fails where it is written
+        # (on a stand-in model with one submodule, as every kind can watch it).
+        Monitor(nn.Sequential(nn.Linear(1, 1)), "*", stats=self.stats, kinds=self.kinds,
+                ewma=ewma, hist_bins=hist_bins, every=every).close()
 
     @property
     def started(self) -> bool:
@@ -78,8 +80,9 @@ class CallbackCore:
         if self.store is None and state is not None and (path / DB_NAME).exists():
             path = path.with_name(f"{path.name}-{int(state['step'])}")
         self._scaler = scaler
-        self.monitor = Monitor(model, self.select, self.stats, self.kinds, self.ewma,
-                               self.hist_bins, self.every, path, meta=meta, scaler=scaler)
+        self.monitor = Monitor(model, self.select, stats=self.stats, kinds=self.kinds,
+                               ewma=self.ewma, hist_bins=self.hist_bins, every=self.every,
+                               store=path, meta=meta, scaler=scaler)
         if state is not None:
             self.monitor.load_state_dict(state)
         if self.detect:
