@@ -188,7 +188,7 @@ def _bag(module: nn.EmbeddingBag, named: dict[str, Any]) -> Layout | None:
         starts, end = starts[:-1], starts[-1]
     else:
         end = inp.shape[0]
-    ends = [*starts[1:], end]
+    ends = [*starts[1:], end] if starts else []
     index = [torch.arange(s, e) for s, e in zip(starts, ends, strict=True)]
     rows = Rows(index)
     alone = [offsets.new_tensor([0, e - s] if module.include_last_offset else [0])
