@@ -90,7 +90,10 @@ def _conv_case(cls: type[nn.Module], d: int, transposed: bool) -> st.SearchStrat
             for s_, st_, p, e, op in zip(size, stride, pad, ext, kw["output_padding"], strict=True):
                 if (s_ - 1) * st_ - 2 * p + e + op < 1:
                     pad = (0,) * d  # keep the output non-empty
-            kw["padding"] = draw(st.sampled_from([pad, pad[0]])) if d > 0 else pad
+            # The int form pads every dim alike: only where the tuple does (else an output may
+            # be empty along a dim whose own padding was dropped above).
+            same = len(set(pad)) == 1
+            kw["padding"] = draw(st.sampled_from([pad, pad[0]])) if d > 0 and same else pad
         else:
             kind = draw(st.sampled_from(["int", "tuple", "same", "valid"]))
             if kind == "same":
@@ -136,6 +139,11 @@ def _trailing_norm(draw: st.DrawFn, cls: type[nn.Module]) -> tuple[nn.Module, Te
     shape = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2)))]
     lead = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2)))]
     if cls is nn.LayerNorm:
+        if shape == [1] * len(shape):
+            # One value per sample and position has zero variance: x_hat is all zeros, so the
+            # weight's gradient is rounding noise, which the sum check cannot tell from a
+            # wrong split when nothing else in the model has a gradient (as for GroupNorm).
+            shape[-1] = 2
         module = nn.LayerNorm(shape, bias=draw(st.booleans()))
     else:
         module = nn.RMSNorm(shape, eps=draw(st.sampled_from([None, 1e-3])))
@@ -155,8 +163,8 @@ def _groupnorm(draw: st.DrawFn) -> tuple[nn.Module, Tensor]:
     g = draw(st.integers(1, 3))
     c = g * draw(st.integers(1, 2))
     spatial = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2)))]
-    if not spatial and c == g:
-        spatial = [2]  # one value per group has zero variance: x_hat is all zeros
+    if c == g and all(size == 1 for size in spatial):
+        spatial = [*spatial[:-1], 2]  # one value per group has zero variance: x_hat is all zeros
     module = _bias_or_not(nn.GroupNorm(g, c), draw(st.booleans()))
     return module, torch.randn(draw(st.integers(1, 3)), c, *spatial)
 

@@ -150,12 +150,20 @@ def test_recurrent_final_state_feeds_the_loss(cls: type[nn.RNNBase], batch_first
     check(m, lambda: loss(x, hx), alone, n, batch_dim=bd)
 
 
+@pytest.mark.parametrize(("own_grad", "inputs_grad"), [(False, False), (True, False),
+                                                        (True, True)])
 @pytest.mark.parametrize("masks", [False, True])
 @pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
-def test_sequence_first_attention_weights_feed_the_loss(loss_reduction: str, masks: bool) -> None:
+def test_sequence_first_attention_weights_feed_the_loss(loss_reduction: str, masks: bool,
+                                                        own_grad: bool, inputs_grad: bool) -> None:
+    # own_grad with inputs that need no grad: the call is not owned and goes through the
+    # attention rule's replay, whose layout must be the layer's own (not that of the forward
+    # own_grad sets on the instance); with inputs that need grad the call is owned.
     n, q_len, s_len, e, heads = 3, 4, 5, 8, 2
     m = nn.MultiheadAttention(e, heads)
     q, kv = torch.randn(q_len, n, e), torch.randn(s_len, n, e)
+    q.requires_grad_(inputs_grad)
+    kv.requires_grad_(inputs_grad)
     pad = torch.zeros(n, s_len)
     pad[1, -2:] = -1e4  # float, as attn_mask
     attn = torch.randn(n * heads, q_len, s_len)
@@ -170,7 +178,13 @@ def test_sequence_first_attention_weights_feed_the_loss(loss_reduction: str, mas
         return loss(q[:, i:i + 1], kv[:, i:i + 1], pad[i:i + 1], attn[i * heads:(i + 1) * heads])
 
     check(m, lambda: c * loss(q, kv, pad, attn), alone, n, batch_dim=1,
-          loss_reduction=loss_reduction)
+          loss_reduction=loss_reduction, own_grad=own_grad)
+    if own_grad:  # .grad from the owned shares and the rule's, as autograd's of the batch
+        got = {k: p.grad for k, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        (c * loss(q, kv, pad, attn)).backward()
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(got[k], p.grad, msg=lambda msg, k=k: f".grad {k}: {msg}")
 
 
 # --------------------------------------------------------------------------------------------

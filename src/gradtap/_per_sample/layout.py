@@ -124,17 +124,23 @@ def packed_rows(seq: PackedSequence) -> list[Tensor]:
     return [starts[: int((sizes > k).sum())] + k for k in order.tolist()]
 
 
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward of the module's class, bound to it: the signature the layouts name, also
+    while ``per_sample(own_grad=True)`` has set a forward of its own on the instance."""
+    return type(module).forward.__get__(module, type(module))
+
+
 def _signature_names(module: nn.Module, args: tuple | list, kwargs: dict[str, Any]
                      ) -> dict[str, Any] | None:
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bound = inspect.signature(_class_forward(module)).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
     return dict(bound.arguments)
 
 
 def _positional_names(module: nn.Module) -> list[str]:
-    params = inspect.signature(module.forward).parameters.values()
+    params = inspect.signature(_class_forward(module)).parameters.values()
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
@@ -188,7 +194,7 @@ def _bag(module: nn.EmbeddingBag, named: dict[str, Any]) -> Layout | None:
         starts, end = starts[:-1], starts[-1]
     else:
         end = inp.shape[0]
-    ends = [*starts[1:], end]
+    ends = [*starts[1:], end] if starts else []
     index = [torch.arange(s, e) for s, e in zip(starts, ends, strict=True)]
     rows = Rows(index)
     alone = [offsets.new_tensor([0, e - s] if module.include_last_offset else [0])
