@@ -23,7 +23,8 @@ test: $(STAMP)
 
 # The compatibility job: the whole suite on the newest torch this machine has (with
 # torchvision, whose vision-model tests run only there) and on the declared floor. Each venv
-# installs the test extras through constraints.txt with only its torch line changed.
+# installs the test extras through constraints.txt with only its torch line changed. The
+# property-based per-sample suite draws its long profile here.
 COMPAT       ?= 2.14.1 2.9.1
 VISION_2.14.1 := torchvision==0.29.1
 COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
@@ -38,7 +39,7 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
 test-compat: $(COMPAT_STAMPS)
 	@for v in $(COMPAT); do \
 	  echo "== torch $$v"; start=$$(date +%s); \
-	  .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider || exit 1; \
+	  GRADTAP_HYPOTHESIS_PROFILE=long .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider || exit 1; \
 	  echo "== torch $$v: $$(( $$(date +%s) - start )) s"; \
 	done
 
