@@ -254,3 +254,25 @@ def test_explain_of_a_model_without_a_floating_output_points_to_python(tmp_path,
     assert main(["explain", f"{tmp_path / 'net.py'}:make", "--input-shape", "2,4"]) == 2
     err = capsys.readouterr().err
     assert "pass loss= in Python: gt.explain(model, inputs, loss=...)" in err, err
+
+
+def test_explain_json_is_the_explanation_as_data(capsys):
+    import json
+
+    from gradtap import examples
+
+    assert main(["explain", "--example", "convnet", "--json", "--seed", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["format"], doc["version"]) == ("gradtap.explain", 1)
+    torch.manual_seed(0)
+    model = examples.convnet()
+    ex = gt.explain(model, torch.randn(2, 1, 28, 28))
+    assert [(r["module_name"], r["call"]) for r in doc["records"]] == [
+        (r.module_name, r.call) for r in ex.records]
+    for got, rec in zip(doc["records"], ex.records):
+        expected = {k: g for _, k, g in rec.slots()}
+        for slot in got["slots"]:
+            g = expected[slot["key"]]
+            assert slot["shape"] == (None if g is None else list(g.shape))
+            if g is not None:
+                assert slot["norm"] == pytest.approx(float(g.double().norm()), rel=1e-6)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from gradtap._text import format_table
 from gradtap._types import Selector
 from gradtap.capture import compiled_feature, legacy_backward_grads, tap
-from gradtap.record import GradRecord, describe_row, flatten_tensors, short_meaning
+from gradtap.record import GradRecord, describe_row, flatten_tensors, meaning, short_meaning
 from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Explanation", "explain"]
@@ -84,6 +84,39 @@ class Explanation:
             legend += (" 'legacy' is the index of that gradient in grad_input of the legacy "
                        "module.register_backward_hook ('-': not there).")
         return "\n\n".join([*blocks, wrap(legend)])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The explanation as plain JSON-ready values (the form ``gradtap explain --json``
+        prints): ``{"format": "gradtap.explain", "version": 1, "records": [...]}``, one entry
+        per record in backward order with ``module_name``, ``module_type``, ``call``, ``notes``
+        and ``slots``: per gradient touched, ``key``, ``role`` (``output``, ``input`` or
+        ``parameter``), ``shape`` (``None`` for no gradient), ``dtype``, ``norm`` (float64 L2
+        norm), ``meaning`` and, with ``legacy=True``, ``legacy``.
+
+        Example:
+            >>> import torch, gradtap as gt
+            >>> d = gt.explain(torch.nn.Sequential(torch.nn.Linear(3, 2)), torch.randn(4, 3)).to_dict()
+            >>> [(s["key"], s["role"], s["shape"]) for s in d["records"][0]["slots"]]
+            [('output', 'output', [4, 2]), ('input', 'input', None), ('weight', 'parameter', [2, 3]), ('bias', 'parameter', [2])]
+        """
+        records = []
+        for rec in self.records:
+            legacy = self.legacy.get((rec.module_name, rec.call)) if self.legacy else None
+            slots = []
+            for role, key, grad in rec.slots():
+                slot: dict[str, Any] = {
+                    "key": key, "role": role,
+                    "shape": None if grad is None else list(grad.shape),
+                    "dtype": None if grad is None else str(grad.dtype).removeprefix("torch."),
+                    "norm": None if grad is None else float(
+                        torch.linalg.vector_norm(grad.detach().double())),
+                    "meaning": meaning(role, key, grad)}
+                if legacy is not None:
+                    slot["legacy"] = legacy.get(f"{role}:{key}", "-")
+                slots.append(slot)
+            records.append({"module_name": rec.module_name, "module_type": rec.module_type,
+                            "call": rec.call, "notes": list(rec.notes), "slots": slots})
+        return {"format": "gradtap.explain", "version": 1, "records": records}
 
     def _repr_html_(self) -> str:
         """Every record's table as HTML, for notebooks."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                         "masked-lm, seq2seq-lm, sequence-classification, token-classification, "
                         "image-classification, audio-classification, ctc, speech-seq2seq")
     p.add_argument("--select", default="*", help="glob of modules to explain (default: every submodule)")
+    p.add_argument("--json", action="store_true",
+                   help="print the explanation as JSON (Explanation.to_dict()) instead of tables")
     p.add_argument("--legacy", action="store_true",
                    help="also show each slot's index in the legacy register_backward_hook's grad_input")
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and input (default 0)")
@@ -205,7 +208,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
     example: Any = inputs if inputs is not None else torch.randn(*shape)
     try:
-        text = str(explain(model, example, select=args.select, legacy=args.legacy))
+        ex = explain(model, example, select=args.select, legacy=args.legacy)
+        text = json.dumps(ex.to_dict(), indent=1) if args.json else str(ex)
     except ValueError as err:  # SelectionError, an output without a floating tensor
         message = str(err)
         if message.endswith("pass loss="):
@@ -218,7 +222,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise _CliError(f"the model's forward failed on a random input of shape "
                         f"{tuple(shape)}: {last}; is --input-shape right?") from err
-    print(header + text)
+    print(text if args.json else header + text)
     return 0
 
 
