@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -193,19 +193,20 @@ def available(path: str) -> bool:
 # -- the autograd engine ----------------------------------------------------------------------
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback  # type: ignore[attr-defined]
-_tasks = threading.local()
+# The fallback's backward: one for the process, not per thread (on a GPU the engine runs hooks
+# and end-of-backward callbacks on its device threads).
+_tasks = types.SimpleNamespace(current=None, count=0)
 
 
 def _task_fallback() -> int:
-    current = getattr(_tasks, "current", None)
-    if current is not None:
-        return current
+    if _tasks.current is not None:
+        return _tasks.current
     try:  # refused outside a backward: that is how the fallback tells
         _queue_callback(_task_ended)
     except RuntimeError:
         return -1
     warn_fallback("torch._C._current_graph_task_id")
-    _tasks.count = getattr(_tasks, "count", 0) + 1
+    _tasks.count += 1
     _tasks.current = _tasks.count
     return _tasks.current
 
