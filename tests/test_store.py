@@ -358,3 +358,14 @@ def test_cli_export_tensorboard(tmp_path, capsys):
     assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert main(["export-tensorboard", str(tmp_path / "missing"), str(tmp_path / "tb3")]) == 2
     assert "gradtap export-tensorboard: error:" in capsys.readouterr().err
+
+
+def test_runs_and_anomalies_show_as_html_in_notebooks(tmp_path):
+    mon = run_monitor(store=tmp_path / "run", **FULL)
+    mon.close()
+    run = gt.open_run(tmp_path / "run")
+    page = run._repr_html_()
+    assert f"<th>steps</th><td>{len(run.steps)} ({run.steps[0]}-{run.steps[-1]})</td>" in page
+    assert f"<th>tensors</th><td>{len(run.names)}</td>" in page
+    anomaly = gt.Anomaly("fc1", "nan", "forward", 2, None, "NaN in 'fc1' <here>")
+    assert anomaly._repr_html_() == "<pre>NaN in &#x27;fc1&#x27; &lt;here&gt;</pre>"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import html
 import json
 import math
 import os
@@ -444,6 +445,17 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r})"
+
+    def _repr_html_(self) -> str:
+        """The run in a small table (status, steps, tensors, statistics), for notebooks."""
+        steps = self.steps
+        rows = [("path", str(self.path)), ("status", str(self.status)),
+                ("steps", f"{len(steps)}" + (f" ({steps[0]}-{steps[-1]})" if steps else "")),
+                ("tensors", str(len(self.names))), ("kinds", ", ".join(self.kinds)),
+                ("stats", ", ".join(self.stats))]
+        body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                       for k, v in rows)
+        return f"<table>{body}</table>"
 
     # -- helpers ----------------------------------------------------------------------------
 

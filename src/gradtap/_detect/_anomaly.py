@@ -5,6 +5,7 @@ Everything here runs only once something is wrong, so it may take exact counts a
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -89,6 +90,10 @@ class Anomaly:
 
     def __str__(self) -> str:
         return self.message
+
+    def _repr_html_(self) -> str:
+        """The report as preformatted text, for notebooks."""
+        return f"<pre>{html.escape(self.message)}</pre>"
 
 
 class TensorStat(NamedTuple):
