@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, float, str]] = [
     ("select", 1, "select"),
     ("record", 2, "record"), ("capture", 2.5, "capture"),
     ("_explain", 3, "explain"), ("curvature", 3, "curvature"),
-    ("monitor", 3, "monitor"), ("_monitor", 3, "monitor"), ("store", 3, "monitor"),
+    ("_monitor", 3, "monitor"), ("store", 3, "monitor"),
     ("export", 3, "monitor"), ("distributed", 3, "monitor"),
     ("_transform", 3, "transform"), ("_per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
     ("rules", 4, "rules"), ("integrations", 4.5, "integrations"),

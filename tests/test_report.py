@@ -24,9 +24,9 @@ from torch import nn
 
 import gradtap as gt
 import gradtap.report as report
+from gradtap import Monitor
 from gradtap.demo import run_demo
 from gradtap.errors import SelectionError, StoreError
-from gradtap.monitor import Monitor
 from gradtap.report import svg
 from gradtap.store import open_run
 
@@ -84,12 +84,9 @@ def test_report_data_is_read_from_the_store(demo_run):
     assert data.derived_anomalies[0]["step"] == NAN_STEP
     assert data.derived_anomalies[0]["kind"] == "grad_output"  # backward reaches outputs first
     assert [a["step"] for a in data.anomalies] == [NAN_STEP]
-    if demo_run.detect_available:  # gt.detect traces the NaN to the module that made it
-        assert (data.anomalies[0]["module_name"], data.anomalies[0]["where"]) == ("block2",
-                                                                                  "forward")
-        assert data.anomaly_source == "gradtap.detect"
-    else:
-        assert data.anomalies[0]["module_name"] == "<loss>"
+    # gt.detect traces the NaN to the module that made it
+    assert (data.anomalies[0]["module_name"], data.anomalies[0]["where"]) == ("block2", "forward")
+    assert data.anomaly_source == "gradtap.detect"
     assert data.ratios and data.histograms and data.ewma
     assert "loss" in data.metrics and math.isnan(data.metrics["loss"][1][NAN_STEP])
     assert data.summary["skipped steps"] == 1

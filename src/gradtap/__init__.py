@@ -3,6 +3,7 @@
 from gradtap import functional
 from gradtap._detect import Anomaly, Detector, detect, load_dump
 from gradtap._explain import Explanation, explain
+from gradtap._monitor import Monitor
 from gradtap._per_sample import PerSample, per_sample
 from gradtap._transform import (
     Transform,
@@ -32,7 +33,6 @@ from gradtap.errors import (
 )
 from gradtap.export import to_tensorboard
 from gradtap.functional.explicit import explicit_conv
-from gradtap.monitor import Monitor
 from gradtap.record import GradRecord
 from gradtap.select import select_modules, select_parameters
 from gradtap.store import Run, open_run

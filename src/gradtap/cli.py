@@ -248,9 +248,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     targets = ", ".join(result.transform_plan)
     print(f"transform: {targets} <- chain(normalize(0.99), clip_norm(1.0)) before each "
           "optimizer step")
-    if not result.detect_available:
-        print("anomaly detection: gradtap.detect is not available; non-finite losses are "
-              "checked instead")
     if result.anomalies:
         a = result.anomalies[0]
         print(f"anomalies: {len(result.anomalies)}; first: {a.get('kind')} at step "

@@ -2,8 +2,8 @@
 
 :func:`run_demo` trains a tiny conv net on ``sklearn.datasets.load_digits`` (8x8 images, bundled
 with scikit-learn, no download) while a :class:`~gradtap.Monitor` writes a run store, a
-transform rule normalizes (then clips) the conv weight gradients, and, when
-:func:`gradtap.detect` is available, anomaly detection records where a NaN came from. It returns
+transform rule normalizes (then clips) the conv weight gradients, and :func:`gradtap.detect`
+records where a NaN came from. It returns
 data; printing is the command line's job (``gradtap demo``).
 
 Files written into the run directory: ``run.db`` (the Monitor's store), ``anomalies.json``
@@ -105,7 +105,6 @@ class DemoResult:
     test_accuracy: float
     anomalies: list[dict[str, Any]]
     skipped_steps: list[int]
-    detect_available: bool
     transform_plan: dict[str, str]
     seconds: float
     meta: dict[str, Any] = field(default_factory=dict)
@@ -129,8 +128,7 @@ def run_demo(
 
     The run directory ``out`` is replaced if it already holds a run. At step ``inject_nan``
     block2's forward output gets one NaN; that step's optimizer step is skipped (detect's
-    ``should_skip()``, or a non-finite loss when :func:`gradtap.detect` is not available) and
-    training goes on.
+    ``should_skip()``) and training goes on.
 
     Args:
         out: the run directory.
@@ -154,12 +152,6 @@ def run_demo(
     Raises:
         ValueError: ``steps`` < 1, or ``inject_nan`` outside ``[0, steps)``.
     """
-    detect: Callable[..., Any] | None
-    try:  # detect is a later capability; the demo works without it
-        from gradtap._detect import detect
-    except ImportError:
-        detect = None
-
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int; got {steps!r}")
     if inject_nan is not None and not 0 <= inject_nan < steps:
@@ -171,16 +163,17 @@ def run_demo(
         torch.set_num_threads(threads)
     try:
         return _train(run_dir, steps, seed, inject_nan, batch_size, lr, hist_bins, kinds,
-                      progress, start, detect, spike)
+                      progress, start, spike)
     finally:
         torch.set_num_threads(prev_threads)
 
 
 def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_size: int,
            lr: float, hist_bins: int, kinds: tuple[str, ...], progress: ProgressFn | None,
-           start: float, detect: Any, spike: float | None) -> DemoResult:
+           start: float, spike: float | None) -> DemoResult:
+    from gradtap._detect import detect
+    from gradtap._monitor import Monitor
     from gradtap._transform import chain, clip_norm, normalize, transform
-    from gradtap.monitor import Monitor
 
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_tensors(seed)
@@ -197,19 +190,20 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
                      "seed": seed, "optimizer": f"SGD(lr={lr}, momentum=0.9)",
                      "transform": f"{TRANSFORM_RULE}: chain(normalize(0.99), clip_norm(1.0)) "
                                   "when='step'",
-                     "inject_nan": inject_nan, "detect": detect is not None}}
+                     "inject_nan": inject_nan, "detect": True}}
 
     stack = contextlib.ExitStack()
-    det = mon = None
+    mon = None
     failed = True
     try:
         # The transform runs inside optimizer.step(), so a skipped step leaves its state clean.
         handle = transform(model, {TRANSFORM_RULE: chain(normalize(beta=0.99), clip_norm(1.0))},
                            when="step", optimizer=opt)
         stack.callback(handle.remove)
-        if detect is not None:
-            det = _make_detector(detect, model, spike)
-            stack.callback(_close, det)
+        # No dump_dir: dumps keep every forward tensor of every step, which the demo does not
+        # need; an anomaly's message already names the module, slot and value ranges.
+        det = detect(model, action="record", spike=spike)
+        stack.callback(det.remove)
         mon = Monitor(model, select=(nn.Conv2d, nn.Linear), kinds=kinds,
                       stats=("norm", "mean", "std", "absmax", "nonfinite"), ewma=0.99,
                       hist_bins=hist_bins, store=run_dir, overwrite=True, meta=meta)
@@ -226,27 +220,15 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
             getattr(model, FAULT_MODULE).fault = step == inject_nan
             model.train()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            if det is not None:
-                det.check_loss(loss)
+            det.check_loss(loss)
             loss.backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             gnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
             lval = loss.detach().item()
-            if det is not None:
-                # Spikes are recorded; only NaN/Inf cost the optimizer step.
-                new = list(det.anomalies)[seen:]
-                seen += len(new)
-                skip = bool(det.should_skip()) and any(
-                    str(getattr(a, "kind", "nan")) in ("nan", "inf") for a in new)
-            else:
-                skip = not (math.isfinite(lval) and math.isfinite(gnorm))
-                if skip:
-                    anomalies.append({
-                        "module_name": "<loss>", "kind": "nan" if math.isnan(lval) else "inf",
-                        "where": "forward", "step": step,
-                        "message": f"the loss is {lval} at step {step}; gradtap.detect is not "
-                                   "available, so the origin was not traced",
-                    })
+            # Spikes are recorded; only NaN/Inf cost the optimizer step.
+            new = list(det.anomalies)[seen:]
+            seen += len(new)
+            skip = det.should_skip() and any(a.kind in ("nan", "inf") for a in new)
             # Before the optimizer: the Monitor sees the gradients backward produced (the
             # transform changes them inside opt.step()); `update` is then the previous step's.
             mon.step()
@@ -254,8 +236,7 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
                 skipped.append(step)
             else:
                 opt.step()
-            if det is not None:
-                det.step()
+            det.step()
             opt.zero_grad(set_to_none=True)
             losses.append(lval)
             grad_norms.append(gnorm)
@@ -270,10 +251,8 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
             if mon is not None:
                 mon.close("failed" if failed else "finished")
                 # Stored with the run (also after a crash) so `gradtap report` shows them.
-                if det is not None:
-                    anomalies = [anomaly_to_dict(a) for a in det.anomalies]
-                write_anomalies(run_dir, anomalies,
-                                source="gradtap.detect" if det is not None else "gradtap demo")
+                anomalies = [anomaly_to_dict(a) for a in det.anomalies]
+                write_anomalies(run_dir, anomalies, source="gradtap.detect")
         finally:
             stack.close()
     write_metrics(run_dir, {"loss": (list(range(steps)), losses),
@@ -281,27 +260,5 @@ def _train(run_dir: Path, steps: int, seed: int, inject_nan: int | None, batch_s
                   {"test accuracy": acc, "skipped steps": len(skipped)})
     return DemoResult(run_dir=run_dir, steps=steps, losses=losses, grad_norms=grad_norms,
                       test_accuracy=acc, anomalies=anomalies, skipped_steps=skipped,
-                      detect_available=detect is not None, transform_plan=plan,
+                      transform_plan=plan,
                       seconds=time.perf_counter() - start, meta=meta)
-
-
-def _make_detector(detect: Any, model: nn.Module, spike: float | None) -> Any:
-    """``detect(model, action="record")``: anomalies are collected, training goes on.
-
-    No ``dump_dir``: dumps keep every forward tensor of every step, which the demo does not
-    need; the anomaly's message already names the module, slot and value ranges.
-    """
-    kwargs: dict[str, Any] = {"action": "record"}
-    if spike is not None:
-        kwargs["spike"] = spike
-    det = detect(model, **kwargs)
-    enter = getattr(det, "__enter__", None)
-    return enter() if enter is not None else det
-
-
-def _close(det: Any) -> None:
-    """Remove a detector's hooks, whichever way its API spells it."""
-    if hasattr(det, "__exit__"):
-        det.__exit__(None, None, None)
-    elif hasattr(det, "remove"):
-        det.remove()
