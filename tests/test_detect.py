@@ -462,9 +462,9 @@ def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
         if key[1] == "grad_output" and mode in ("model", "modules"):
             # The default watch has no hook on the calls: parameter-gradient EWMAs only.
             with pytest.raises(KeyError, match="parameter-gradient norms only"):
-                det.ewma(*key)
+                det.spike_ewma(*key)
             continue
-        got_m, got_v = det.ewma(*key)
+        got_m, got_v = det.spike_ewma(*key)
         assert got_m == pytest.approx(m, rel=1e-5)
         assert got_v == pytest.approx(var, rel=1e-4, abs=1e-12)
 
@@ -519,9 +519,9 @@ def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
             opt.zero_grad()
             det.step()
     assert det.anomalies == [] and det.steps_done == 300
-    assert det.ewma("2", "param_grad")[0] > 0
+    assert det.spike_ewma("2", "param_grad")[0] > 0
     if mode in ("eager", "deferred"):  # the per-call watch keeps grad_output EWMAs too
-        assert det.ewma("3", "grad_output")[0] > 0
+        assert det.spike_ewma("3", "grad_output")[0] > 0
 
 
 @pytest.mark.parametrize("fault", ["spike", "nan"])
@@ -555,7 +555,7 @@ def test_spikes_and_nans_in_a_large_parameter_gradient_under_the_default_watch(f
         assert det.anomalies[0].value == pytest.approx(spikes[0][3], rel=1e-5)
     _, state = _naive_spikes(norms, 10.0, 5, 0.9)
     for key, (m, var, _) in state.items():
-        assert det.ewma(*key) == pytest.approx((m, var), rel=1e-4, abs=1e-12)
+        assert det.spike_ewma(*key) == pytest.approx((m, var), rel=1e-4, abs=1e-12)
 
 
 def test_healthy_steps_with_spike_install_no_per_module_hook_and_no_tap(monkeypatch):
@@ -784,7 +784,7 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
         with pytest.raises(TypeError, match="check_loss\\(\\) needs a Tensor; got float"):
             det.check_loss(1.0)
         with pytest.raises(KeyError, match="no spike EWMA for module '0' kind 'param_grad'"):
-            det.ewma("0")
+            det.spike_ewma("0")
     assert_no_hooks(net)
 
 

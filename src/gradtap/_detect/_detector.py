@@ -255,7 +255,7 @@ class Detector:
             if self._screen is not None:
                 self._screen.new_step()
 
-    def ewma(self, name: str, kind: Literal["param_grad", "grad_output"] = "param_grad"
+    def spike_ewma(self, name: str, kind: Literal["param_grad", "grad_output"] = "param_grad"
              ) -> tuple[float, float]:
         """``(mean, var)`` of the spike EWMA of module ``name``'s ``kind`` norm.
 
@@ -649,7 +649,7 @@ def detect(
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
-        ``.check_loss(loss)``, ``.check()``, ``.ewma(name, kind)``, ``.remove()``.
+        ``.check_loss(loss)``, ``.check()``, ``.spike_ewma(name, kind)``, ``.remove()``.
 
     Raises:
         SelectionError: ``select`` matched no module.
