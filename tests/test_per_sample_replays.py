@@ -175,8 +175,24 @@ def test_model_returning_its_own_loss(loss_reduction: str) -> None:
     assert replayed == [], replayed  # its own call, with the fc's rule: no warning
 
 
-def test_fused_linear_cross_entropy_loss() -> None:
-    m = nn.LinearCrossEntropyLoss(5, 4, reduction="mean")
+class LinearCrossEntropy(nn.Module):
+    """A layer fusing a linear map and the cross entropy of the batch, as torch's
+    ``nn.LinearCrossEntropyLoss`` of later releases: it returns the batch's mean loss."""
+
+    def __init__(self, features: int, classes: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(classes, features))
+
+    def forward(self, x: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(x @ self.weight.t(), target)
+
+
+@pytest.mark.parametrize("torch_own", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not hasattr(nn, "LinearCrossEntropyLoss"),
+    reason=f"torch {torch.__version__} has no nn.LinearCrossEntropyLoss (the local "
+           "equivalent runs instead)"))])
+def test_fused_linear_cross_entropy_loss(torch_own: bool) -> None:
+    m = nn.LinearCrossEntropyLoss(5, 4, reduction="mean") if torch_own else LinearCrossEntropy(5, 4)
     x, y = torch.randn(N, 5), torch.randint(0, 4, (N,))
     check(m, lambda: m(x, y), lambda i: m(x[i:i + 1], y[i:i + 1]))
 
