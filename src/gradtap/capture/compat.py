@@ -94,6 +94,7 @@ APIS: dict[str, Api] = {a.path: a for a in (
 )}
 
 def _node_probe() -> Any:
+    """A throw-away op on a leaf (its node and the leaf's gradient node, for probes)."""
     with torch.enable_grad():
         leaf = torch.ones(2, requires_grad=True)
         return leaf.exp()
@@ -216,9 +217,7 @@ def _task_ended() -> None:
 
 
 def _sequence_fallback() -> int:
-    with torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True) * 1
-    return probe.grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
+    return _node_probe().grad_fn._sequence_nr() + 1
 
 
 def _no_node() -> None:
@@ -226,9 +225,7 @@ def _no_node() -> None:
 
 
 def _accumulate_grad_type() -> type:
-    with torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True) * 1
-    return type(probe.grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+    return type(_node_probe().grad_fn.next_functions[0][0])
 
 
 def queue_callback(fn: Callable[[], None]) -> None:
