@@ -20,6 +20,7 @@ from gradtap.capture import compat
 from gradtap.capture.amp import ScalerWatch, around_any_scaler_step
 from gradtap.capture.compiled import around_compiled_call, compiled_in_place
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
+from gradtap.capture.modhooks import Subscription, subscribe
 from gradtap.capture.replay import replay_running
 
 __all__ = ["HookSet"]
@@ -45,7 +46,7 @@ class HookSet:
     def __init__(self, *, sees_replays: bool = False) -> None:
         self.enabled = True
         self.sees_replays = sees_replays
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | Subscription] = []
         self._params: list[Tensor] = []
         self._cleanups: list[Callable[[], None]] = []
 
@@ -155,19 +156,16 @@ class HookSet:
 
             self._cleanups.append(around_compiled_call(module, outer_before, outer_after))
             return
-        if before is not None:
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._live():
+                before(args, kwargs)  # type: ignore[misc]
 
-            def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-                if self._live():
-                    before(args, kwargs)
-
-            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-
-        def forward_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+        def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if always or self._live():
                 after(output)
 
-        self._handles.append(module.register_forward_hook(forward_hook, always_call=always))
+        self._handles.append(subscribe(module, pre if before is not None else None, post,
+                                       always=always))
 
     def gradient(self, t: Tensor, fn: Callable[..., None],
                  args: tuple = ()) -> RemovableHandle | None:
@@ -211,7 +209,7 @@ class HookSet:
         :func:`gradtap.capture.amp.around_any_scaler_step`."""
         self._cleanups.append(around_any_scaler_step(before, after, self._live))
 
-    def add(self, handle: RemovableHandle) -> None:
+    def add(self, handle: RemovableHandle | Subscription) -> None:
         """Adopt a handle registered elsewhere in capture."""
         self._handles.append(handle)
 

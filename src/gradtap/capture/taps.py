@@ -25,6 +25,7 @@ from gradtap.capture.compiled import run_eagerly
 from gradtap.capture.forward import alias_repeated, note_inputs, note_outputs
 from gradtap.capture.hookset import HookSet
 from gradtap.capture.listener import Listener
+from gradtap.capture.modhooks import subscribe
 from gradtap.capture.naming import ModuleInfo
 from gradtap.capture.replay import in_recomputation, stands_aside
 from gradtap.capture.state import Call, Recorder
@@ -148,10 +149,7 @@ class Tap:
                 return None
             return note_outputs(rec, call, mod, output)
 
-        self._hooks.add(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        self._hooks.add(
-            module.register_forward_hook(forward_hook, with_kwargs=True, always_call=True)
-        )
+        self._hooks.add(subscribe(module, pre_hook, forward_hook, always=True))
 
 
 def tap(
