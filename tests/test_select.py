@@ -93,7 +93,7 @@ def test_glob_agrees_with_fnmatch(glob):
 
 
 def test_module_parameters_by_module_or_parameter_name(net):
-    from gradtap.select import select_module_parameters as select
+    from gradtap.select import select_parameters as select
 
     under = [n for n, _ in net.named_parameters() if n.startswith("layer1.")]
     assert names(select(net, "layer1")) == under  # a module: every parameter under it
@@ -112,9 +112,9 @@ def test_module_parameters_by_module_or_parameter_name(net):
 
 
 def test_module_parameters_name_a_tied_weight_once():
-    from gradtap.select import select_module_parameters
+    from gradtap.select import select_parameters
 
     tied = nn.ModuleDict({"emb": nn.Embedding(4, 3), "head": nn.Linear(3, 4, bias=False)})
     tied["head"].weight = tied["emb"].weight
-    assert names(select_module_parameters(tied, "head")) == ["emb.weight"]
-    assert names(select_module_parameters(tied, "*")) == ["emb.weight"]
+    assert names(select_parameters(tied, "head")) == ["emb.weight"]
+    assert names(select_parameters(tied, "*")) == ["emb.weight"]

@@ -25,8 +25,7 @@ from torch import nn
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 
-__all__ = ["clean_name", "select_module_parameters", "select_modules", "select_parameters",
-           "unwrap_model", "wrapper_chain"]
+__all__ = ["clean_name", "select_modules", "select_parameters", "unwrap_model", "wrapper_chain"]
 
 #: Wrapper classes (by name, anywhere in the class's MRO) and the attribute holding the model
 #: they wrap: DDP, DataParallel, torch.compile, FSDP1, activation checkpointing.
@@ -73,48 +72,16 @@ def select_modules(model: nn.Module, selector: Selector) -> list[tuple[str, nn.M
 
 
 def select_parameters(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Parameter]]:
-    """Return the ``(qualified_name, parameter)`` pairs of ``model`` that ``selector`` picks.
-
-    Globs match names from ``named_parameters()`` (``"*"`` is every parameter). A module class
-    selects the parameters owned directly by modules of that class; a predicate receives
-    ``(name, parameter)``.
-
-    Raises:
-        SelectionError: nothing matched (the message lists the closest names).
-        TypeError: ``selector`` is not one of the accepted kinds.
-
-    Example:
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
-        >>> [name for name, _ in select_parameters(net, "*.bias")]
-        ['0.bias', '2.bias']
-    """
-    model = unwrap_model(model)
-    named = list(model.named_parameters())
-    if isinstance(selector, type) or (
-        isinstance(selector, tuple) and selector and all(isinstance(s, type) for s in selector)
-    ):
-        owners = {
-            f"{mod_name}.{p_name}" if mod_name else p_name: module
-            for mod_name, module in model.named_modules()
-            for p_name, _ in module.named_parameters(recurse=False)
-        }
-        return _select(named, selector, what="parameter", type_of=lambda n: owners.get(n))
-    return _select(named, selector, what="parameter", type_of=None)
-
-
-def select_module_parameters(
-    model: nn.Module, selector: Selector
-) -> list[tuple[str, nn.Parameter]]:
-    """Parameters picked by a module selector or by parameter globs.
+    """Return the ``(qualified_name, parameter)`` pairs of ``model`` that ``selector`` picks:
+    the one meaning of ``select=`` wherever parameters are meant.
 
     A module selector (as in :func:`select_modules`: a glob on module names, a list of globs,
     a module class or tuple of classes, a predicate ``(name, module) -> bool``) selects every
     parameter under each module it picks. A glob also selects the parameters whose own name
     (from ``named_parameters()``) it matches, so ``"fc"``, ``"fc.*"`` and ``"fc.weight"`` all
-    work. Each glob must match a module or a parameter. A parameter held by several modules
-    (tied weights) is named once, by its ``named_parameters()`` name, whichever module
-    selected it.
+    work (``"*"`` is every parameter). Each glob must match a module or a parameter. A
+    parameter held by several modules (tied weights) is named once, by its
+    ``named_parameters()`` name, whichever module selected it.
 
     Returns:
         ``(qualified_name, parameter)`` pairs in ``named_parameters()`` order, each once.
@@ -126,11 +93,13 @@ def select_module_parameters(
     Example:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
-        >>> [name for name, _ in select_module_parameters(net, "0")]
+        >>> [name for name, _ in select_parameters(net, "*.bias")]
+        ['0.bias', '2.bias']
+        >>> [name for name, _ in select_parameters(net, "0")]
         ['0.weight', '0.bias']
-        >>> [name for name, _ in select_module_parameters(net, ["2", "*.bias"])]
+        >>> [name for name, _ in select_parameters(net, ["2", "*.bias"])]
         ['0.bias', '2.weight', '2.bias']
-        >>> [name for name, _ in select_module_parameters(net, nn.Linear)][:2]
+        >>> [name for name, _ in select_parameters(net, nn.Linear)][:2]
         ['0.weight', '0.bias']
     """
     model = unwrap_model(model)
@@ -149,8 +118,8 @@ def select_module_parameters(
             hit_modules = [m for n, m in modules if _glob_match(n, glob)]
             hit_params = [p for n, p in named_params if _glob_match(n, glob)]
             if not hit_modules and not hit_params:
-                names = [n for n, _ in modules] + [n for n, _ in named_params]
-                raise SelectionError(_no_match_message(glob, names, "module or parameter"))
+                raise SelectionError(_no_match_either(glob, [n for n, _ in modules],
+                                                      [n for n, _ in named_params]))
             picked.update(id(p) for p in hit_params)
             picked.update(id(p) for m in hit_modules for p in m.parameters())
     else:
@@ -238,6 +207,19 @@ def _no_match_message(glob: str, names: Iterable[str], what: str) -> str:
     return f"select={glob!r} matches no {what}; {hint}"
 
 
+def _no_match_either(glob: str, modules: list[str], params: list[str]) -> str:
+    """The message for a glob that matches neither a module nor a parameter, naming the
+    closest parameter names and, when some are close, module names."""
+    close = {}
+    for what, names in (("parameter", params), ("module", modules)):
+        close[what] = difflib.get_close_matches(glob, [n for n in names if n], n=5, cutoff=0.5)
+    hints = [f"closest {what} names: {', '.join(c)}" for what, c in close.items() if c]
+    if not hints:
+        hints.append(f"parameter names: {_preview(params)}")
+    what = "module or parameter" if close["module"] else "parameter"
+    return f"select={glob!r} matches no {what}; {'; '.join(hints)}"
+
+
 def _preview(names: list[str], limit: int = 8) -> str:
     shown = [n for n in names if n][:limit]
     more = len([n for n in names if n]) - len(shown)
@@ -305,3 +287,6 @@ def clean_name(name: str) -> str:
     if "_" not in name:
         return name
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+select_module_parameters = select_parameters  # MERGE-TODO: remove once per_sample imports select_parameters

@@ -248,15 +248,13 @@ class _Watcher:
                 self._say(f"could not close the run in {watched.path} ({exc})")
 
 
-class _Names:
-    """Select the parameters of one optimizer (shown as such in the run's metadata)."""
+class _Names(list):
+    """Select the parameters of one optimizer by their names (shown as such in the run's
+    metadata)."""
 
     def __init__(self, names: list[str], glob: str, index: int) -> None:
-        self.names = set(names)
+        super().__init__(names)
         self.text = f"{glob!r} among the parameters of optimizer {index}"
-
-    def __call__(self, name: str, param: Any) -> bool:
-        return name in self.names
 
     def __repr__(self) -> str:
         return self.text
