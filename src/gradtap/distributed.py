@@ -58,7 +58,6 @@ nothing is communicated.
 
 from __future__ import annotations
 
-import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -69,24 +68,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradtap._tensorops import HostCopy, Moments, refine_fields
+from gradtap._tensorops.sharded import is_distributed, world
+from gradtap._tensorops.sharded import is_sharded as is_dtensor
 
 __all__ = ["Reduction", "Shard", "is_distributed", "is_dtensor", "layout_mismatch",
            "local_tensor", "reduce_parts", "shard", "world"]
 
 _SUM_ORDER = ("sum", "between", "m2", "sumsq", "nonfinite", "nonzero")
 _MAX_ORDER = ("max", "negmin")
-
-
-def is_distributed() -> bool:
-    """True when a default process group is initialised (and has more than one rank)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world() -> tuple[int, int]:
-    """Return ``(rank, world_size)``; ``(0, 1)`` without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class Shard(NamedTuple):
@@ -96,18 +85,6 @@ class Shard(NamedTuple):
     #: this rank's elements enter the global statistics (sharded dimensions are summed;
     #: on replicated mesh dimensions only coordinate 0 contributes, so copies count once)
     counts: bool
-
-
-def is_dtensor(t: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters).
-
-    Example:
-        >>> import torch
-        >>> is_dtensor(torch.ones(2))
-        False
-    """
-    mod = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless imported
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def shard(t: Tensor, name: str = "tensor") -> Shard:

@@ -24,8 +24,8 @@ from gradtap._tensorops.l2 import group_sumsq
 
 _T = TypeVar("_T", bound=Tensor | None)
 
-__all__ = ["all_ranks_max", "centered_rows", "is_sharded", "local", "rebuild", "sumsq_whole",
-           "world"]
+__all__ = ["all_ranks_max", "centered_rows", "is_distributed", "is_sharded", "local", "rebuild",
+           "sumsq_whole", "world"]
 
 
 def is_sharded(t: object) -> bool:
@@ -60,6 +60,13 @@ def rebuild(like: Tensor, part: Tensor) -> Tensor:
 
     return DTensor.from_local(part, like.device_mesh, like.placements,  # type: ignore[attr-defined]
                               run_check=False, shape=like.shape, stride=like.stride())
+
+
+def is_distributed() -> bool:
+    """True when a default process group is initialised and has more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world() -> tuple[int, int]:

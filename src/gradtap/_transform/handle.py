@@ -20,8 +20,7 @@ from gradtap._transform.apply import install
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
-from gradtap.capture import HookSet, Tap, check_scaler, compiled_feature
-from gradtap.select import unwrap_model
+from gradtap.capture import HookSet, Tap, check_scaler, compiled_feature, session
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -54,20 +53,21 @@ class TransformHandle:
         optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        sess = session(model, "transform()")
         check_scaler(scaler, "transform")
-        if isinstance(model, nn.Module):
-            _check_ddp(model, when, on)
+        _check_ddp(model, when, on)
         # Named as the user's model (no DDP or compile prefixes); the hooks go through the
         # wrappers, so a compiled model's per-call taps run eagerly.
-        self._plan = make_plan(unwrap_model(model), rules, when, on, optimizer)
+        self._plan = make_plan(sess.root, rules, when, on, optimizer)
         self.on: OnLiteral = self._plan.on
         self.when: WhenLiteral = self._plan.when
         self._hooks = HookSet()
+        self._hooks.add_cleanup(sess.attach().detach)
         self._tap: Tap | None = None
         self._removed = False
         try:
             self._states = StateTable(self._plan)
-            amp = None if scaler is None else self._hooks.grad_scaler(scaler)
+            amp = sess.scaler(scaler, "transform")
             feature = (f"transform(on={self.on!r})" if self.on != "param_grad"
                        else f"transform(when={self.when!r})")
             with compiled_feature(feature):

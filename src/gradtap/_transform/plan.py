@@ -83,8 +83,6 @@ def make_plan(
         >>> plan.when, plan.labels()
         ('accumulate', {'0.weight': '0.*', '0.bias': '0.*', '2.weight': '*', '2.bias': '*'})
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"transform() needs an nn.Module; got {type(model).__name__}")
     when = _check_options(when, on, optimizer)
     pairs = _rule_pairs(rules)
     if on == "param_grad":

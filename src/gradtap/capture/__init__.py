@@ -3,6 +3,11 @@
 Consumers (Monitor, transform, per_sample, detect, explain) never touch autograd themselves;
 they use these names:
 
+* :func:`session` / :class:`Session`: the model's environment resolved once for every
+  consumer (root and clean names, selection, distributed mode, the scaler's one watch);
+  :mod:`~gradtap.capture.modhooks` gives each module one forward pre-hook and one forward
+  hook however many consumers listen;
+
 * :func:`tap` / :class:`Tap` with a :class:`Listener`: per-call records, forward calls and
   gradient rewrites (``taps.py``, with the per-call machinery in ``forward.py``,
   ``backward.py``, ``state.py``, ``graph.py``, ``boundary.py``, ``naming.py``);
@@ -27,7 +32,7 @@ they use these names:
 
 from __future__ import annotations
 
-from gradtap.capture.amp import ScalerWatch, check_scaler
+from gradtap.capture.amp import ScalerWatch, check_scaler, unscale
 from gradtap.capture.boundary import mark_boundary
 from gradtap.capture.compiled import compiled_feature, run_eagerly
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
@@ -38,13 +43,16 @@ from gradtap.capture.listener import Listener
 from gradtap.capture.naming import argument_tensors
 from gradtap.capture.replay import in_recomputation, replaying
 from gradtap.capture.saved import graph_nodes, saved_tensors
+from gradtap.capture.sessions import Distributed, Session, session
 from gradtap.capture.taps import Tap, tap
 
 __all__ = [
+    "Distributed",
     "HookSet",
     "Listener",
     "OncePerBackward",
     "ScalerWatch",
+    "Session",
     "Tap",
     "argument_tensors",
     "at_end_of_backward",
@@ -60,5 +68,7 @@ __all__ = [
     "run_eagerly",
     "saved_tensors",
     "sequence_mark",
+    "session",
     "tap",
+    "unscale",
 ]

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from gradtap.capture import compat
 
-__all__ = ["ScalerWatch", "around_any_scaler_step", "check_scaler"]
+__all__ = ["ScalerWatch", "around_any_scaler_step", "check_scaler", "unscale"]
 
 _METHODS = ("scale", "unscale_", "step", "update")
 
@@ -199,6 +199,22 @@ def around_any_scaler_step(before: Callable[[Any, Any], None], after: Callable[[
 _TRACKERS: weakref.WeakKeyDictionary[torch.amp.GradScaler, _Tracker] = weakref.WeakKeyDictionary()
 
 
+def unscale(value: Tensor, factor: Tensor | None) -> Tensor:
+    """``value`` divided by a loss scale ``factor`` (``None``: returned as it is), in float32
+    at least (a float16 gradient times its scale may not be representable) and on ``value``'s
+    device, with no host synchronisation: the one unscaling formula of every consumer.
+
+    Example:
+        >>> import torch
+        >>> unscale(torch.tensor([8.0], dtype=torch.float16), torch.tensor(8.0))
+        tensor([1.])
+    """
+    if factor is None:
+        return value
+    dtype = torch.promote_types(value.dtype, torch.float32)
+    return value.to(dtype) / factor.to(value.device, dtype)
+
+
 class ScalerWatch:
     """A consumer's view of one scaler's step (see the module docstring); :meth:`remove` it.
 
@@ -265,6 +281,12 @@ class ScalerWatch:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 t.unscaled.add(id(p))
+
+    def unscaled(self, value: Tensor, param: Tensor | None = None) -> Tensor:
+        """``value`` (a gradient of ``param``, or its norm) without the factor the scaler left
+        on ``param.grad`` (:meth:`factor`; without ``param``, the step's scale, which every
+        gradient of the step's backward carries): see :func:`unscale`."""
+        return unscale(value, self.step_scale() if param is None else self.factor(param))
 
     def found_inf(self) -> Tensor | None:
         """The number of optimizers (0-dim float32) whose gradients the scaler found inf/NaN in

@@ -28,9 +28,9 @@ from gradtap.capture.listener import Listener
 from gradtap.capture.modhooks import subscribe
 from gradtap.capture.naming import ModuleInfo
 from gradtap.capture.replay import in_recomputation, stands_aside
+from gradtap.capture.sessions import session
 from gradtap.capture.state import Call, Recorder
 from gradtap.record import GradRecord
-from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Tap", "tap"]
 
@@ -55,8 +55,6 @@ class Tap:
         unknown = sorted(set(kept) - {"inputs", "outputs"})
         if unknown:
             raise ValueError(f"keep= accepts 'inputs' and 'outputs'; got {unknown}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"tap() needs an nn.Module; got {type(model).__name__}")
         if listener is not None and not isinstance(listener, Listener):
             raise TypeError("tap(listener=...) needs a gradtap.capture.Listener; got "
                             f"{type(listener).__name__}")
@@ -64,12 +62,13 @@ class Tap:
                                   "outputs" in kept, torch.device(to) if to is not None else None)
         self._hooks = HookSet()
         self._infos: list[ModuleInfo] = []
-        root = unwrap_model(model)
-        self.modules = select_modules(root, select)
+        sess = session(model, "tap()").attach()
+        self._hooks.add_cleanup(sess.detach)
         try:
+            self.modules = sess.modules(select)
             for name, module in self.modules:
                 self._attach(name, module)
-            release = run_eagerly(model, root, self.modules)
+            release = run_eagerly(model, sess.root, self.modules)
             if release is not None:
                 self._hooks.add_cleanup(release)
         except BaseException:
