@@ -3,6 +3,7 @@ of ``select=``, one root and clean names; every consumer's numbers equal its num
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -93,3 +94,42 @@ def test_a_module_selector_selects_its_parameters_everywhere_parameters_are_mean
     by_module = gt.hessian_trace(loss, model, samples=4, select="2")
     by_tensors = gt.hessian_trace(loss, [model[2].weight, model[2].bias], samples=4)
     assert by_module == by_tensors
+
+
+def test_one_session_per_model_behind_any_wrapper_released_with_its_last_consumer():
+    from gradtap.capture import session
+    from gradtap.capture.sessions import _SESSIONS
+
+    model = _model()
+    assert session(nn.DataParallel(model)) is session(model)
+    assert session(torch.compile(model, backend="eager")) is session(model)
+    tap = gt.tap(model)
+    h = gt.transform(model, {"*": gt.scale(1.0)})
+    assert session(model).consumers == 2
+    tap.remove()
+    tap.remove()  # twice: counted once
+    assert session(model).consumers == 1
+    h.remove()
+    assert model not in _SESSIONS
+
+
+def test_consumers_share_one_scaler_watch_and_one_unscaling_formula():
+    from gradtap.capture import session, unscale
+
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    sess = session(model).attach()
+    try:
+        assert sess.scaler(scaler, "Monitor") is sess.scaler(scaler, "transform")
+        watch = sess.scaler(scaler, "Monitor")
+        x, y = _batch()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        w = model[0].weight
+        assert torch.equal(watch.unscaled(w.grad, w), unscale(w.grad, torch.tensor(64.0)))
+        assert torch.equal(watch.unscaled(w.grad, w) * 64.0, w.grad)
+        half = unscale(torch.tensor([60000.0], dtype=torch.float16), torch.tensor(0.5))
+        assert half.dtype == torch.float32 and half.item() == 120000.0  # float16 would overflow
+    finally:
+        sess.detach()
+    with pytest.raises(TypeError, match="Monitor needs an nn.Module; got str"):
+        session("model", "Monitor")  # type: ignore[arg-type]
