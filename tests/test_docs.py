@@ -107,6 +107,9 @@ def test_fences_name_a_known_language(page):
                if lang not in _KNOWN_LANGUAGES]
     assert not unknown, (f"{_rel(page)}: fenced blocks with a language this test neither runs "
                          f"nor knows (python runs, py parses): {unknown}")
+    indented = [n for n, line in enumerate(page.read_text().splitlines(), 1)
+                if re.match(r"\s+```", line)]
+    assert not indented, f"{_rel(page)}: indented fences, which this test does not read: {indented}"
 
 
 def _without_code(text: str) -> str:
