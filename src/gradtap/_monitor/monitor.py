@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
 
 
-
 class Monitor:
     """Collect per-layer gradient statistics every step, cheaply enough to leave on.
 
@@ -549,4 +548,3 @@ class Monitor:
         if self._tap is not None:
             self._tap.remove()
         self._hooks.remove()
-

@@ -318,5 +318,3 @@ def _ratios(data: ReportData) -> str:
                    "Norm of each parameter's change in one step divided by its norm, log scale. "
                    "Around 1e-3 is a common rule of thumb; far above, the layer moves too fast; "
                    "far below, it barely learns. Gaps are skipped steps (zero update).")
-
-
