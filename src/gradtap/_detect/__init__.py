@@ -10,11 +10,13 @@ module where a non-finite value first appeared (or the loss, as ``"<loss>"``), t
 NaN/Inf counts, the ranges of the module's forward tensors and parameters against their
 dtype, and a hint. See :func:`detect`.
 
-Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), ``_screen``
-(the light screen), ``_replay`` (rerunning a step), ``_watch`` (the per-call watch),
-``_measure`` (what the watch measures), ``_spikes`` (the spike trackers), ``_messages`` (the
-report of each kind of anomaly), ``_anomaly`` (the Anomaly type and report helpers),
-``_host`` (batched reductions and host copies), ``_dump`` (dump files).
+Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), ``_options``
+(detect's options checked), ``_screen`` (the light screen), ``_localize`` (naming the origin
+by a replay), ``_replay`` (rerunning a step), ``_watch`` (the per-call watch), ``_measure``
+(what the watch measures), ``_spikes`` (the spike trackers), ``_messages`` (the report of each
+kind of anomaly), ``_anomaly`` (the Anomaly type and report helpers), ``_ranks`` (what ranks
+tell each other of a step's anomalies), ``_host`` (batched reductions and host copies),
+``_dump`` (dump files).
 """
 
 from __future__ import annotations

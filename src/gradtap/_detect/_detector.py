@@ -2,19 +2,20 @@
 
 ``gt.detect(model)`` screens every step cheaply (:class:`~gradtap._detect._screen.Screen`)
 and replays a step found non-finite (:func:`~gradtap._detect._replay.replay`) under a fresh
-per-call watch (:class:`~gradtap._detect._watch.CallWatch`), which names the origin.
-With ``spike=`` the screen's check also reads every module's parameter-gradient norm
-(:class:`~gradtap._detect._spikes.ParamSpikes`) and a spiking step is replayed to name the
-module. ``replay=False`` uses the per-call watch every step instead, with a
-:class:`~gradtap._detect._spikes.SpikeTracker` for spikes. The reports themselves are built
-by :mod:`gradtap._detect._messages`. The :class:`Detector` holds only what ties these
-together: the step number, the anomalies and how they are emitted (raised, warned, dumped).
+per-call watch (:class:`~gradtap._detect._watch.CallWatch`), which names the origin
+(:class:`~gradtap._detect._localize.Localizer`). With ``spike=`` the screen's check also
+reads every module's parameter-gradient norm (:class:`~gradtap._detect._spikes.ParamSpikes`)
+and a spiking step is replayed to name the module. ``replay=False`` uses the per-call watch
+every step instead, with a :class:`~gradtap._detect._spikes.SpikeTracker` for spikes. The
+reports themselves are built by :mod:`gradtap._detect._messages`; the options are checked by
+:mod:`gradtap._detect._options`. The :class:`Detector` holds only what ties these together:
+the step number, the anomalies and how they are emitted (raised, warned, dumped, and under
+``torch.distributed`` agreed between ranks: :mod:`gradtap._detect._ranks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from typing import Literal
@@ -22,30 +23,22 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from gradtap._detect._anomaly import LOSS, Anomaly, AnomalyWarning
+from gradtap._detect._anomaly import Anomaly, AnomalyWarning
 from gradtap._detect._dump import write_dump
-from gradtap._detect._measure import Plan, innermost
-from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
-from gradtap._detect._replay import replay as replay_step
+from gradtap._detect._localize import Localizer
+from gradtap._detect._messages import Found
+from gradtap._detect._options import ActionLiteral, ScreenLiteral, check_options
+from gradtap._detect._ranks import exchange
 from gradtap._detect._screen import RootCall, Screen, Suspect
-from gradtap._detect._spikes import ParamSpikes, Spike, SpikeTracker
+from gradtap._detect._spikes import ParamSpikes, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
-from gradtap._tensorops.sharded import all_ranks_max, is_sharded, world
+from gradtap._tensorops.sharded import is_sharded, world
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature
 from gradtap.errors import GradientAnomaly
 from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Detector", "detect"]
-
-ActionLiteral = Literal["raise", "warn", "record"]
-_ACTIONS = ("raise", "warn", "record")
-ScreenLiteral = Literal["model", "modules"]
-_SCREENS = ("model", "modules")
-# What one rank tells the others of its first anomaly of a step: 1 + 4 * kind + where.
-_KINDS = ("nan", "inf", "spike")
-_WHERES = ("forward", "grad_output", "grad_input", "param_grad")
-_CODES = 4 * len(_KINDS)  # kind and where of one code; its multiples number the module
 
 
 class Detector:
@@ -76,30 +69,8 @@ class Detector:
         # a compiled model keeps its wrapper (the screen's hooks stay outside compiled code).
         model = unwrap_model(model, keep_compiled=True)
         check_scaler(scaler, "detect")
-        if action not in _ACTIONS:
-            raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
-                             f"got {action!r}")
-        if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float))
-                                  or not spike > 1.0 or math.isinf(spike)):
-            raise ValueError("spike must be None or a finite factor > 1 over the EWMA of a norm "
-                             f"(e.g. 10.0); got {spike!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0 (steps before spikes are checked); "
-                             f"got {warmup!r}")
-        if not (isinstance(spike_beta, (int, float)) and 0.0 <= spike_beta < 1.0):
-            raise ValueError(f"spike_beta must be a factor with 0 <= beta < 1; got {spike_beta!r}")
-        if not nonfinite and spike is None:
-            raise ValueError("nothing to detect: nonfinite=False and spike=None; pass spike=10.0 "
-                             "or leave nonfinite=True")
-        if replay is not None and not isinstance(replay, bool):
-            raise ValueError(f"replay must be None, True or False; got {replay!r}")
-        replays = replay if replay is not None else True
-        if screen is not None and screen not in _SCREENS:
-            raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
-        if screen is not None and not replays:
-            raise ValueError("screen= chooses what the replay watch screens each step; the "
-                             "per-call watch (replay=False) checks every selected call anyway: "
-                             "leave screen=None")
+        replays = check_options(action=action, spike=spike, warmup=warmup, spike_beta=spike_beta,
+                                nonfinite=nonfinite, replay=replay, screen=screen)
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -115,8 +86,7 @@ class Detector:
         # A compiled model keeps its wrapper (the screen's hooks stay outside compiled code);
         # names are those of the model it compiles.
         selected = select_modules(unwrap_model(model), select)  # SelectionError naming close names
-        self._model, self._select = model, select
-        self._options = options or WatchOptions()
+        options = options or WatchOptions()
         self._selected = {name for name, _ in selected}
         self._modules: dict[str, nn.Module] = dict(unwrap_model(model).named_modules())
         self._step = 0
@@ -137,10 +107,15 @@ class Detector:
             self._spikes.scale_of = self._scale
         self._param_spikes: ParamSpikes | None = None
         self._screen: Screen | None = None
+        self._localizer: Localizer | None = None
         self._watch: CallWatch | None = None
         if replays:
             self._screen = Screen(model, selected if screen == "modules" else [])
             self._screen.on_backward_end = self._screened_backward
+            self._localizer = Localizer(model, select, self._screen, options=options,
+                                        keep_forward=self.dump_dir is not None,
+                                        sharded=self._sharded, modules=self._modules,
+                                        selected=self._selected)
             if self.spike is not None:
                 self._param_spikes = ParamSpikes(selected, self.spike, warmup, self.spike_beta)
                 self._screen.norms_mode = True
@@ -151,7 +126,7 @@ class Detector:
             self._watch = CallWatch(model, selected, nonfinite=self.nonfinite,
                                     keep_forward=self.dump_dir is not None,
                                     spikes=self._spikes if self.spike is not None else None,
-                                    options=self._options)
+                                    options=options)
         self._watch.on_backward_end = self._emit
 
     # -- public -------------------------------------------------------------------------------
@@ -350,109 +325,16 @@ class Detector:
             norms = norms / self._scale()
         spikes = self._param_spikes.check(params, norms)
         if spikes:
-            self._localize_spike(spikes, backward)
+            assert self._localizer is not None
+            self._ready.extend(self._localizer.spike(spikes, self._param_spikes, backward,
+                                                     self._step))
 
-    def _localize_spike(self, spikes: list[Spike], backward: list[RootCall]) -> None:
-        """Replay the step under a per-call watch to name the first spiking module in backward
-        order (innermost) and show its call's record, grad_outputs included."""
-        assert self._screen is not None and self._param_spikes is not None
-        with compiled_feature(None):  # a replay runs eagerly, and says nothing
-            watch = CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
-                              keep_forward=self.dump_dir is not None,
-                              options=WatchOptions(eager_on_cpu=False), step=self._step)
-        watch.plans = []
-        try:
-            self._replay(watch, backward)
-            watch.check_forward()
-        except Exception:  # noqa: BLE001 - the spike is still reported, from .grad
-            watch.plans = []
-            watch.found = []
-        finally:
-            watch.remove()
-        plans = watch.plans
-        spiking = {s[1]: s for s in spikes}
-        self._screen.quiet_params = True  # one event per step
-        for call in self._screen.calls:
-            call.reported = True
-        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
-            self._ready.extend(watch.found)
-            return
-        order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
-        first = innermost(order, lambda ip: ip[1].name)
-        if first:
-            _, plan = first[0]
-            name = plan.name
-            note = self._replay_note(plan)
-        else:  # not reproduced (e.g. gradients accumulated over several backwards)
-            name = innermost(spikes, lambda s: s[1])[0][1]
-            plan, note = None, ("the replay of this backward did not show this module's call: "
-                                "its norm is that of .grad at the end of the backward")
-        spike = spiking[name]
-        module = self._modules[name]
-        own = [n for n, _ in module.named_parameters(recurse=False)]
-        anomaly = spike_anomaly(self._step, plan, [spike], self._param_spikes.mean(name),
-                                self._param_spikes.spike, module=(type(module).__name__, own),
-                                note=note)
-        self._ready.append(Found(anomaly, None if plan is None else (name, plan.call), module))
-
-    def _replay(self, watch: CallWatch, backward: list[RootCall]) -> None:
-        if self._sharded:
-            raise RuntimeError("not replayed: the model's parameters are sharded (FSDP2), and "
-                               "its forward's all-gathers would wait for the other ranks")
-        assert self._screen is not None
-        replay_step(self._screen, watch, backward)
-
-    @staticmethod
-    def _replay_note(plan: Plan) -> str:
-        """What the replay shows of the gradient reaching the module (no EWMA for it)."""
-        rec = plan.rec
-        assert rec is not None
-        out = [g for g in rec.grad_outputs.values() if g is not None]
-        if not out:
-            return "found by a replay of the step"
-        norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
-        return (f"found by a replay of the step: the gradient reaching its output "
-                f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
-                f"EWMA of it (replay=False does): compare it with other steps' reports")
     def _localize(self, suspects: list[Suspect], backward: list[RootCall]) -> None:
-        """Replay the step under a fresh per-call watch to find where the suspects came from.
-
-        A bad loss is checked after a replay of the forward alone: its gradient would only
-        repeat it."""
-        assert self._screen is not None
-        loss = next((s.tensor for s in suspects if s.where == "loss"), None)
-        if loss is not None:
-            backward = []
-        with compiled_feature(None):  # a replay runs eagerly, and says nothing
-            watch = CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
-                              keep_forward=self.dump_dir is not None, options=self._options,
-                              step=self._step)
-        failure: BaseException | None = None
-        try:
-            self._replay(watch, backward)
-            if loss is not None:
-                watch.add_loss(loss)
-            watch.check_forward()
-        except Exception as err:  # noqa: BLE001 - reported with the screen's evidence below
-            failure = err
-        finally:
-            watch.remove()
-        found = watch.found
-        first = suspects[0]
-        if found and first.where == "forward" and (found[0].anomaly.where != "forward"
-                                                   or found[0].anomaly.module_name == LOSS):
-            # The screen saw a module's output go bad, the replay did not (state changed
-            # since the call): the screen's evidence is the better report.
-            found = []
-        # One event per step: later checks of this step would see its consequences.
-        self._screen.quiet_params = True
-        for call in self._screen.calls:
-            call.reported = True
-        if found:
-            self._ready.extend(found)
-        else:
-            self._found.append(unreproduced_anomaly(self._step, first, failure, self._modules,
-                                                    self._selected))
+        """Replay the step to find where the suspects came from (:class:`Localizer`)."""
+        assert self._localizer is not None
+        ready, found = self._localizer.nonfinite(suspects, backward, self._step)
+        self._ready.extend(ready)
+        self._found.extend(found)
 
     # -- emitting -----------------------------------------------------------------------------
 
@@ -491,36 +373,12 @@ class Detector:
     def _agree(self) -> None:
         """Under ``torch.distributed``, once a step: every rank learns which ranks found an
         anomaly (the kind, ``where`` and module of each one's first), in one all-reduce (max)
-        of ``world_size`` numbers; each rank records one anomaly per other finding rank, skips,
-        and raises or warns. Modules are numbered by their place in the model, the same on
-        every rank."""
+        of ``world_size`` numbers (:func:`~gradtap._detect._ranks.exchange`); each rank records
+        one anomaly per other finding rank, skips, and raises or warns."""
         if self._world < 2 or self._agreed:
             return
         self._agreed = True
-        codes = torch.zeros(self._world, dtype=torch.float64)
-        names = list(self._modules)
-        if self._held:
-            first = self._held[0]
-            module = names.index(first.module_name) + 1 if first.module_name in names else 0
-            codes[self._rank] = (1 + 4 * _KINDS.index(first.kind) + _WHERES.index(first.where)
-                                 + _CODES * module)
-        codes = all_ranks_max(codes)
-        remote = []
-        for r, code in enumerate(codes.tolist()):
-            if r == self._rank or code <= 0:
-                continue
-            module, rest = divmod(int(code) - 1, _CODES)
-            k, w = divmod(rest, 4)
-            kind, where = _KINDS[k], _WHERES[w]
-            name = names[module - 1] if module else f"<rank {r}>"
-            type_name = type(self._modules[name]).__name__ if module else ""
-            found = "a NaN" if kind == "nan" else "an Inf" if kind == "inf" else "a spike"
-            place = f" in {name or '(root)'!r} ({type_name})" if module else ""
-            message = (f"rank {r} found {found} ({where}){place} at step {self._step}; its "
-                       f"report is on rank {r}. This rank (rank {self._rank}) skips the step "
-                       "too.")
-            remote.append(Anomaly(name, kind, where, self._step, None,  # type: ignore[arg-type]
-                                  message, module_type=type_name, rank=r))
+        remote = exchange(self._held, self._rank, self._world, self._step, self._modules)
         self.anomalies.extend(remote)
         new, self._held = self._held + remote, []
         if new:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,25 +25,22 @@ from gradtap import distributed
 from gradtap._monitor.ewma import GradEwma
 from gradtap._monitor.history import MemoryRun, SeriesTable, StepRows
 from gradtap._monitor.meta import run_meta
+from gradtap._monitor.options import DEFAULT_STATS, KINDS, PARAM_KINDS, check_options
 from gradtap._monitor.reducer import Part, StepReducer
+from gradtap._monitor.scaler import SCALER_NAME, queue_amp, unscale, unscaled
+from gradtap._monitor.sharded import Layouts, shard_job
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, tap
 from gradtap.errors import SelectionError
 from gradtap.record import GradRecord
 from gradtap.select import clean_name, select_parameters, unwrap_model
-from gradtap.store import KIND_NAMES, Histogram, Run, RunWriter
+from gradtap.store import Histogram, Run, RunWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
-
-KINDS = KIND_NAMES
-DEFAULT_STATS = ("norm", "mean", "std", "absmax", "nonfinite")
-_PARAM_KINDS = ("param_grad", "param", "update", "grad_cosine")
-#: The name under which the grad scaler's statistics of a step are stored.
-SCALER_NAME = "<scaler>"
 
 
 class Monitor:
@@ -147,20 +143,9 @@ class Monitor:
         # DDP / torch.compile / FSDP1 wrappers: watch (and name) the model inside; a
         # compiled model's per-call taps go through its wrapper (they run eagerly).
         compiled, model = model, unwrap_model(model)
-        self.stats = ops.check_stats(stats)
-        self.kinds = _check_kinds(kinds)
-        if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
-            raise ValueError(f"ewma must be None or a factor beta with 0 <= beta < 1; got {ewma!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int; got {every!r}")
-        if local_grads and "param_grad" not in self.kinds:
-            raise ValueError("local_grads=True watches param_grad; add 'param_grad' to kinds")
-        edges = None if hist_bins is None else ops.hist_edges(
-            hist_bins, hist_scale, hist_range, hist_linthresh)
-        if not self.stats and edges is None and ewma is None and not (
-                {"update", "grad_cosine"} & set(self.kinds)):
-            raise ValueError("nothing to compute: stats is empty and there are no histograms, "
-                             "EWMA, update ratio or grad_cosine")
+        self.stats, self.kinds, edges = check_options(
+            stats, kinds, ewma=ewma, every=every, local_grads=local_grads, hist_bins=hist_bins,
+            hist_scale=hist_scale, hist_range=hist_range, hist_linthresh=hist_linthresh)
         self.ewma_beta = None if ewma is None else float(ewma)
         self.every = every
         self.local_grads = local_grads
@@ -168,7 +153,7 @@ class Monitor:
         # Known at construction (create the Monitor after init_process_group, as DDP needs).
         self._reducer = StepReducer(self.stats, edges, reduce=distributed.is_distributed())
 
-        wants_params = bool(set(self.kinds) & set(_PARAM_KINDS)) or ewma is not None
+        wants_params = bool(set(self.kinds) & set(PARAM_KINDS)) or ewma is not None
         self._params: list[tuple[str, nn.Parameter]] = [
             (clean_name(n), p) for n, p in select_parameters(model, select)] if wants_params else []
         # FSDP2 (DTensor parameters) under a process group: every parameter kind is taken from
@@ -185,12 +170,12 @@ class Monitor:
         if local_grads and self._sharded:
             raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
                              "p.grad is already reduce-scattered when gradtap can first read it")
-        self._layouts: dict[str, tuple[Any, ...]] = {}
         self._model = weakref.ref(model)
         self._ewma = None if self.ewma_beta is None else GradEwma(
             self.ewma_beta, [n for n, _ in self._params])
+        self._layouts = Layouts(self._ewma)
         if self._sharded:  # gradients are laid out like their parameters
-            self._shards({n: p for n, p in self._params})
+            self._layouts.shards({n: p for n, p in self._params})
         self._snapshots = Snapshots(self._params, update="update" in self.kinds,
                                     cosine="grad_cosine" in self.kinds)
 
@@ -314,7 +299,7 @@ class Monitor:
             ValueError: the EWMA is off (``ewma=None``).
             KeyError: ``name`` is not a selected parameter, or had no gradient yet.
         """
-        return self._as_layout(name, self._ewma_state(name)[0].clone())
+        return self._layouts.as_dtensor(name, self._ewma_state(name)[0].clone())
 
     def ewma_var(self, name: str) -> Tensor:
         """Elementwise EWMA variance of parameter ``name``'s gradient (see ``ewma=``); a
@@ -324,7 +309,7 @@ class Monitor:
             ValueError: the EWMA is off (``ewma=None``).
             KeyError: ``name`` is not a selected parameter, or had no gradient yet.
         """
-        return self._as_layout(name, self._ewma_state(name)[1].clone())
+        return self._layouts.as_dtensor(name, self._ewma_state(name)[1].clone())
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue this one: the step count, the EWMA and the
@@ -393,7 +378,8 @@ class Monitor:
                 if not self._sharded:
                     self._sink.write_ewma(self._ewma.summaries())
                 elif status == "finished":
-                    self._sink.write_ewma(self._ewma.summaries(self._sharded_ewma_summaries()))
+                    self._sink.write_ewma(self._ewma.summaries(self._layouts.ewma_summaries(
+                        [n for n, _ in self._params], self._device)))
         finally:
             self._sink.close(status)
 
@@ -419,7 +405,7 @@ class Monitor:
             if g is not None and g.numel() and g.is_floating_point():
                 keys.append(f"{clean_name(rec.module_name)}:{path}")
                 # Activation gradients are always those of the scaled loss.
-                tensors.append(g if scale is None else _unscaled(g, scale))
+                tensors.append(g if scale is None else unscaled(g, scale))
         if tensors:
             self._pending.append(self._reducer.part(keys, tensors))
 
@@ -429,7 +415,7 @@ class Monitor:
             if self._active and p.grad is not None:
                 scale = None if self._amp is None else self._amp.step_scale()
                 g = p.grad.detach()
-                self._local[name] = g.clone() if scale is None else _unscaled(g, scale)
+                self._local[name] = g.clone() if scale is None else unscaled(g, scale)
 
         return hook
 
@@ -449,11 +435,12 @@ class Monitor:
             self._check_not_replaced()
         counts: dict[str, bool] = {}
         if sharded:
-            grads, counts = self._shards(grads)
+            grads, counts = self._layouts.shards(grads)
         amp = None
         if self._amp is not None:
-            grads = self._unscale(grads)
-            amp = self._queue_amp(grads, copy, counts if sharded else None)
+            grads = unscale(self._amp, dict(self._params), grads)
+            amp = (queue_amp(self._amp, grads, copy, red.reduction, counts) if sharded
+                   else queue_amp(self._amp, grads, copy))
         if "param_grad" in self.kinds:
             if self.local_grads:
                 names = [n for n, p in self._params if p.requires_grad]
@@ -461,7 +448,7 @@ class Monitor:
                 jobs.append(red.local("param_grad", names, present,
                                       [self._local[n] for n in present], self._device))
             elif sharded:
-                jobs.append(_shard_job(red, "param_grad", grads, counts, self._device))
+                jobs.append(shard_job(red, "param_grad", grads, counts, self._device))
             elif grads:
                 jobs.append(red.tensors("param_grad", list(grads), list(grads.values()), copy))
         if "grad_output" in self.kinds and self._pending:
@@ -470,11 +457,11 @@ class Monitor:
         params = [(n, p.detach()) for n, p in self._params if p.numel()] if wants_params else []
         pcounts: dict[str, bool] = {}
         if sharded and params:
-            local, pcounts = self._shards(dict(params))
+            local, pcounts = self._layouts.shards(dict(params))
             params = list(local.items())
         if "param" in self.kinds and params:
             if sharded:
-                jobs.append(_shard_job(red, "param", dict(params), pcounts, self._device))
+                jobs.append(shard_job(red, "param", dict(params), pcounts, self._device))
             else:
                 jobs.append(red.tensors("param", [n for n, _ in params],
                                         [p for _, p in params], copy))
@@ -483,8 +470,8 @@ class Monitor:
         if update is not None:
             names, cur, diffs = update
             if sharded:
-                jobs.append(_shard_job(red, "update", dict(zip(names, diffs)), pcounts,
-                                       self._device))
+                jobs.append(shard_job(red, "update", dict(zip(names, diffs)), pcounts,
+                                      self._device))
                 ratio = self._snapshots.queue_ratio(cur, diffs, copy, red.reduction,
                                                     [pcounts[n] for n in names])
             else:
@@ -542,70 +529,7 @@ class Monitor:
                 "after it was built (fully_shard does this); build the Monitor after wrapping "
                 "the model")
 
-    def _shards(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, bool]]:
-        """This rank's local part of each tensor, and whether it counts (non-empty, and not a
-        replicated copy other than the first: see :func:`gradtap.distributed.shard`)."""
-        local, counts = {}, {}
-        for n, t in tensors.items():
-            part = distributed.shard(t, n)
-            if n not in self._layouts and distributed.is_dtensor(t):
-                self._layouts[n] = (t.device_mesh, t.placements,  # type: ignore[attr-defined]
-                                    t.shape, t.stride(), part.counts)
-                if self._ewma is not None:
-                    self._ewma.shapes[n] = tuple(t.shape)
-            local[n] = part.local
-            counts[n] = part.counts and part.local.numel() > 0
-        return local, counts
-
     # -- helpers ------------------------------------------------------------------------------
-
-    def _unscale(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Each gradient divided by the factor the grad scaler left on it (if any)."""
-        assert self._amp is not None
-        params = dict(self._params)
-        out = {}
-        for n, g in grads.items():
-            factor = self._amp.factor(params[n])
-            out[n] = g if factor is None else _unscaled(g, factor)
-        return out
-
-    def _queue_amp(self, grads: dict[str, Tensor], copy: ops.HostCopy,
-                   counts: dict[str, bool] | None = None
-                   ) -> tuple[Callable[[], np.ndarray], Callable[[], np.ndarray]]:
-        """Queue the step's scale and its overflow flag (see ``scaler=``) on ``copy``.
-
-        With ``counts`` (sharded gradients), the count of non-finite elements is summed over
-        the shards that count, and the scaler's own flag over ranks (set if any rank's is),
-        in the step's reduction."""
-        assert self._amp is not None
-        scale = self._amp.step_scale()
-        if scale is None:
-            scale = torch.ones((), dtype=torch.float32)
-        found = self._amp.found_inf()
-        flag = found is not None
-        if found is None:
-            # The scaler has not checked yet: count what it will find.
-            found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            for n, g in grads.items():
-                if counts is None or counts.get(n):
-                    found = found + (~torch.isfinite(g)).sum().to(found.device, torch.float32)
-        else:
-            found = (found > 0).to(torch.float32)
-        hs = copy.add(scale.to(torch.float64))
-        if counts is not None:
-            red = self._reducer.reduction
-            hr = red.add_sums(found.reshape(1), "amp")
-
-            def found_host() -> np.ndarray:
-                total = red.host_sums(hr)
-                return (total > 0).astype(np.float64) if flag else total
-        else:
-            hf = copy.add(found.to(torch.float64))
-
-            def found_host() -> np.ndarray:
-                return copy.get(hf)
-
-        return lambda: copy.get(hs), found_host
 
     def _history(self) -> Run | MemoryRun:
         """The one view every query reads: the store's ``Run``, or the run in memory."""
@@ -614,54 +538,6 @@ class Monitor:
             return Run(self._store_path)
         assert isinstance(self._sink, MemoryRun)
         return self._sink
-
-    def _as_layout(self, name: str, t: Tensor) -> Tensor:
-        """``t`` (this rank's part) as a DTensor laid out like ``name``'s gradient, if sharded."""
-        layout = self._layouts.get(name)
-        if layout is None:
-            return t
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride, _ = layout
-        return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
-
-    def _sharded_ewma_summaries(self) -> dict[str, tuple[float, float, float, float]]:
-        """Per parameter ``(mean_norm, mean_absmax, var_mean, var_max)`` of the full EWMA,
-        reduced over the shards (two collectives; every rank calls it)."""
-        assert self._ewma is not None
-        names = [n for n, _ in self._params if n in self._ewma]
-        counts: dict[str, bool] = {}
-        means, vars_ = {}, {}
-        for n in names:
-            m, v = self._ewma.state(n)
-            layout = self._layouts.get(n)
-            counts[n] = m.numel() > 0 and (layout[-1] if layout is not None
-                                           else distributed.world()[0] == 0)
-            means[n], vars_[n] = m, v
-        present = [n for n in names if counts[n]]
-        position = {n: i for i, n in enumerate(names)}
-        group = np.array([position[n] for n in present], dtype=np.int64)
-        red = distributed.Reduction()
-        device = next((distributed.local_tensor(p).device for _, p in self._params),
-                      torch.device("cpu"))
-        handles = []
-        for tensors, needs in ((means, ops.Needs(sumsq=True, minmax=True)),
-                               (vars_, ops.Needs(sum=True, minmax=True))):
-            ts = [tensors[n] for n in present]
-            count = np.array([t.numel() for t in ts], dtype=np.float64)
-            fields = (_assemble_rows(ops.tensor_moments(ts, needs), len(ts)) if ts else
-                      {f: torch.zeros(0, dtype=torch.float64, device=device)
-                       for f in needs.fields()})
-            handles.append(red.add_moments(count, fields, group, names))
-        red.run()
-        (mc, mm), (vc, vm) = (red.moments(h) for h in handles)
-        out = {}
-        for i, n in enumerate(names):
-            out[n] = (float(mm["sumsq"][i].sqrt()),
-                      float(torch.maximum(mm["max"][i], mm["negmin"][i])),
-                      float(vm["sum"][i] / vc[i]), float(vm["max"][i]))
-        return out
 
     def _ewma_state(self, name: str) -> tuple[Tensor, Tensor]:
         if self._ewma is None:
@@ -672,41 +548,3 @@ class Monitor:
         if self._tap is not None:
             self._tap.remove()
         self._hooks.remove()
-
-
-def _assemble_rows(groups: list[tuple[list[int], Any]], n: int) -> dict[str, Tensor]:
-    """Fields of grouped ``tensor_moments`` results back in tensor order."""
-    out: dict[str, Tensor] = {}
-    for idx, m in groups:
-        for f, v in m.items():
-            if f not in out:
-                out[f] = torch.zeros(n, dtype=torch.float64, device=v.device)
-            out[f][torch.tensor(idx, device=v.device)] = v
-    return out
-
-
-def _shard_job(red: StepReducer, kind: str, local: dict[str, Tensor], counts: dict[str, bool],
-               device: torch.device) -> Any:
-    """A job over every name of ``local`` (the same on every rank) from the shards that count."""
-    names = list(local)
-    present = [n for n in names if counts[n]]
-    return red.local(kind, names, present, [local[n] for n in present], device)
-
-
-def _unscaled(g: Tensor, scale: Tensor) -> Tensor:
-    """``g / scale``, computed (and kept) in float32 at least, without a host sync."""
-    acc = torch.promote_types(g.dtype, torch.float32)
-    return g.to(acc) / scale.to(g.device, acc)
-
-
-def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:
-    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise ValueError(f"unknown kind(s) {', '.join(map(repr, bad))}; valid kinds are: "
-                         f"{', '.join(KINDS)}")
-    if not kinds:
-        raise ValueError(f"kinds is empty; choose from: {', '.join(KINDS)}")
-    if len(set(kinds)) != len(kinds):
-        raise ValueError(f"kinds lists a kind twice: {list(kinds)}")
-    return kinds

@@ -1,0 +1,142 @@
+"""Naming the origin of what the screen found: the step replayed under a fresh per-call watch.
+
+For a non-finite value, the replay's watch names where it first appeared; when the replay
+cannot show it (it failed, or the state changed since the call), the report is built from the
+screen's own evidence. For a parameter-gradient spike, the replay names the first spiking
+module in backward order and carries its call's record; not reproduced, the spike is still
+reported from ``.grad``. Either way, one event per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from gradtap._detect._anomaly import LOSS
+from gradtap._detect._measure import Plan, innermost
+from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
+from gradtap._detect._replay import replay as replay_step
+from gradtap._detect._screen import RootCall, Screen, Suspect
+from gradtap._detect._spikes import ParamSpikes, Spike
+from gradtap._detect._watch import CallWatch, WatchOptions
+from gradtap._types import Selector
+from gradtap.capture import compiled_feature
+from gradtap.select import select_modules, unwrap_model
+
+__all__ = ["Localizer"]
+
+
+class Localizer:
+    """Replays the step ``screen`` kept to find where what it saw came from.
+
+    ``model`` and ``select`` are the Detector's (a fresh watch selects again); ``modules`` is
+    every module by name, ``selected`` the names that may be reported."""
+
+    def __init__(self, model: nn.Module, select: Selector, screen: Screen, *,
+                 options: WatchOptions, keep_forward: bool, sharded: bool,
+                 modules: dict[str, nn.Module], selected: set[str]) -> None:
+        self._model, self._select, self._screen = model, select, screen
+        self._options = options
+        self._keep_forward = keep_forward
+        self._sharded = sharded
+        self._modules, self._selected = modules, selected
+
+    def nonfinite(self, suspects: list[Suspect], backward: list[RootCall], step: int
+                  ) -> tuple[list[Found], list[Found]]:
+        """Replay the step under a fresh per-call watch to find where the suspects came from:
+        ``(found by the replay, made from the screen's evidence)``, one of them empty.
+
+        A bad loss is checked after a replay of the forward alone: its gradient would only
+        repeat it."""
+        loss = next((s.tensor for s in suspects if s.where == "loss"), None)
+        if loss is not None:
+            backward = []
+        watch = self._watch(self._options, step)
+        failure: BaseException | None = None
+        try:
+            self._replay(watch, backward)
+            if loss is not None:
+                watch.add_loss(loss)
+            watch.check_forward()
+        except Exception as err:  # noqa: BLE001 - reported with the screen's evidence below
+            failure = err
+        finally:
+            watch.remove()
+        found = watch.found
+        first = suspects[0]
+        if found and first.where == "forward" and (found[0].anomaly.where != "forward"
+                                                   or found[0].anomaly.module_name == LOSS):
+            # The screen saw a module's output go bad, the replay did not (state changed
+            # since the call): the screen's evidence is the better report.
+            found = []
+        self._one_event_per_step()
+        if found:
+            return found, []
+        return [], [unreproduced_anomaly(step, first, failure, self._modules, self._selected)]
+
+    def spike(self, spikes: list[Spike], tracker: ParamSpikes, backward: list[RootCall],
+              step: int) -> list[Found]:
+        """Replay the step under a per-call watch to name the first spiking module in backward
+        order (innermost) and show its call's record, grad_outputs included."""
+        watch = self._watch(WatchOptions(eager_on_cpu=False), step)
+        watch.plans = []
+        try:
+            self._replay(watch, backward)
+            watch.check_forward()
+        except Exception:  # noqa: BLE001 - the spike is still reported, from .grad
+            watch.plans = []
+            watch.found = []
+        finally:
+            watch.remove()
+        plans = watch.plans
+        spiking = {s[1]: s for s in spikes}
+        self._one_event_per_step()
+        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
+            return watch.found
+        order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
+        first = innermost(order, lambda ip: ip[1].name)
+        if first:
+            _, plan = first[0]
+            name = plan.name
+            note = _replay_note(plan)
+        else:  # not reproduced (e.g. gradients accumulated over several backwards)
+            name = innermost(spikes, lambda s: s[1])[0][1]
+            plan, note = None, ("the replay of this backward did not show this module's call: "
+                                "its norm is that of .grad at the end of the backward")
+        spike = spiking[name]
+        module = self._modules[name]
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        anomaly = spike_anomaly(step, plan, [spike], tracker.mean(name), tracker.spike,
+                                module=(type(module).__name__, own), note=note)
+        return [Found(anomaly, None if plan is None else (name, plan.call), module)]
+
+    def _watch(self, options: WatchOptions, step: int) -> CallWatch:
+        with compiled_feature(None):  # a replay runs eagerly, and says nothing
+            return CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
+                             keep_forward=self._keep_forward, options=options, step=step)
+
+    def _replay(self, watch: CallWatch, backward: list[RootCall]) -> None:
+        if self._sharded:
+            raise RuntimeError("not replayed: the model's parameters are sharded (FSDP2), and "
+                               "its forward's all-gathers would wait for the other ranks")
+        replay_step(self._screen, watch, backward)
+
+    def _one_event_per_step(self) -> None:
+        """Later checks of this step would see its consequences: report none of them."""
+        self._screen.quiet_params = True
+        for call in self._screen.calls:
+            call.reported = True
+
+
+def _replay_note(plan: Plan) -> str:
+    """What the replay shows of the gradient reaching the module (no EWMA for it)."""
+    rec = plan.rec
+    assert rec is not None
+    out = [g for g in rec.grad_outputs.values() if g is not None]
+    if not out:
+        return "found by a replay of the step"
+    norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
+    return (f"found by a replay of the step: the gradient reaching its output "
+            f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
+            f"EWMA of it (replay=False does): compare it with other steps' reports")

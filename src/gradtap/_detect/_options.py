@@ -1,0 +1,48 @@
+"""The options of :func:`~gradtap.detect`: what each may be, and the checks of them together.
+
+Checked once, when the :class:`~gradtap.Detector` is made, before anything is hooked.
+(:class:`~gradtap._detect._watch.WatchOptions`, which tunes how the per-call watch measures,
+lives with the watch.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+__all__ = ["ActionLiteral", "ScreenLiteral", "check_options"]
+
+ActionLiteral = Literal["raise", "warn", "record"]
+_ACTIONS = ("raise", "warn", "record")
+ScreenLiteral = Literal["model", "modules"]
+_SCREENS = ("model", "modules")
+
+
+def check_options(*, action: str, spike: float | None, warmup: int, spike_beta: float,
+                  nonfinite: bool, replay: bool | None, screen: str | None) -> bool:
+    """Whether the step is replayed (the default watch), or a ``ValueError`` for a bad option."""
+    if action not in _ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
+                         f"got {action!r}")
+    if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float))
+                              or not spike > 1.0 or math.isinf(spike)):
+        raise ValueError("spike must be None or a finite factor > 1 over the EWMA of a norm "
+                         f"(e.g. 10.0); got {spike!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0 (steps before spikes are checked); "
+                         f"got {warmup!r}")
+    if not (isinstance(spike_beta, (int, float)) and 0.0 <= spike_beta < 1.0):
+        raise ValueError(f"spike_beta must be a factor with 0 <= beta < 1; got {spike_beta!r}")
+    if not nonfinite and spike is None:
+        raise ValueError("nothing to detect: nonfinite=False and spike=None; pass spike=10.0 "
+                         "or leave nonfinite=True")
+    if replay is not None and not isinstance(replay, bool):
+        raise ValueError(f"replay must be None, True or False; got {replay!r}")
+    replays = replay if replay is not None else True
+    if screen is not None and screen not in _SCREENS:
+        raise ValueError(f"screen must be None, 'model' or 'modules'; got {screen!r}")
+    if screen is not None and not replays:
+        raise ValueError("screen= chooses what the replay watch screens each step; the "
+                         "per-call watch (replay=False) checks every selected call anyway: "
+                         "leave screen=None")
+    return replays

@@ -1,0 +1,248 @@
+"""The report's sections of cards and tables: overview, anomalies, layer summary, metadata.
+
+Each is a function of the :class:`~gradtap.report.data.ReportData` returning an HTML fragment
+(empty when it has nothing to show), placed in the page by :func:`gradtap.report.html.render_html`
+beside the chart sections; :func:`ewma_state` is the table under the EWMA bands. Every name
+that comes from user code (module and parameter names, metadata, messages) goes through
+:func:`html.escape`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from html import escape
+from typing import Any
+
+import numpy as np
+
+from gradtap._text import format_number
+from gradtap.report.data import ReportData
+
+__all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview"]
+
+_MORE = ' class="more"'
+
+
+def overview(data: ReportData) -> str:
+    """Cards (status, steps, model, summary, final loss, anomalies), the first anomaly."""
+    meta = data.meta
+    model = meta.get("model") or {}
+    steps = data.steps
+    cards = [("status", str(meta.get("status"))),
+             *_ending(meta),
+             ("steps stored", f"{len(steps)}" + (f" ({steps[0]}–{steps[-1]})" if steps else "")),
+             ("model", f"{model.get('class', '?')}"),
+             ("parameters", f"{model.get('num_parameters', 0):,}" if isinstance(
+                 model.get("num_parameters"), int) else "?")]
+    for k, v in data.summary.items():
+        cards.append((k, f"{v:.1%}" if "accuracy" in k and math.isfinite(v)
+                      else format_number(v, short=True)))
+    loss = data.metrics.get("loss")
+    if loss is not None and len(loss[1]):
+        fin = loss[1][np.isfinite(loss[1])]
+        if len(fin):
+            cards.append(("final loss", format_number(float(fin[-1]), short=True)))
+    n_anom = len(data.anomalies) + (0 if data.anomalies else len(data.derived_anomalies))
+    cards.append(("anomalies", str(n_anom)))
+    html = '<div class="cards">' + "".join(
+        f'<div class="card"><div class="k">{escape(k)}</div><div class="v">{escape(v)}</div></div>'
+        for k, v in cards) + "</div>"
+    first = _first_anomaly(data)
+    if first:
+        html += f'<div class="callout bad">{first}</div>'
+    for w in data.warnings:
+        html += f'<div class="callout warn">{escape(w)}</div>'
+    when = f"{meta.get('start_time', '?')} → {meta.get('end_time', '…')}"
+    html += f'<p class="muted">Run time: {escape(str(when))}</p>'
+    return html
+
+
+def _ending(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """Why a failed run ended, as overview cards: the exception, the exit code or signal."""
+    cards = []
+    if meta.get("error"):
+        cards.append(("error", str(meta["error"])))
+    code = meta.get("exit_code")
+    if isinstance(code, int) and code != 0:
+        cards.append(("exit code", f"{code}" + (f" (signal {code - 128})" if code > 128 else "")))
+    return cards
+
+
+def _first_anomaly(data: ReportData) -> str:
+    if data.anomalies:
+        a = min(data.anomalies, key=lambda a: (a.get("step") is None, a.get("step") or 0))
+        kind = str(a.get("kind") or "anomaly")
+        where = a.get("where")
+        kind = {"nan": "NaN", "inf": "Inf"}.get(kind, kind)
+        return (f"<b>First anomaly:</b> {escape(kind)}"
+                f" at step {escape(str(a.get('step')))} in <code>{escape(str(a.get('module_name')))}"
+                f"</code>" + (f" ({escape(str(where))})" if where else "")
+                + (f": {escape(_first_line(a.get('message')))}" if a.get("message") else ""))
+    if data.derived_anomalies:
+        a = data.derived_anomalies[0]
+        return (f"<b>Non-finite values</b> first at step {a['step']} in "
+                f"<code>{escape(a['name'])}</code> ({escape(a['kind'])}); no detector output "
+                "was stored with this run, so this comes from the statistics.")
+    return ""
+
+
+def anomalies(data: ReportData) -> str:
+    """The detector's anomalies, and the non-finite values found in the statistics."""
+    html = ""
+    if data.anomalies:
+        rows = "".join(
+            f"<tr><td>{escape(str(a.get('step')))}</td><td><code>{escape(str(a.get('module_name')))}"
+            f"</code></td><td>{escape(str(a.get('kind')))}</td><td>{escape(str(a.get('where')))}</td>"
+            f"<td>{_message(a.get('message'))}</td></tr>" for a in data.anomalies)
+        src = f" (source: {escape(data.anomaly_source)})" if data.anomaly_source else ""
+        html += (f"<h3>Recorded anomalies{src}</h3>"
+                 '<table class="data anomalies" id="anomaly-table"><thead><tr><th>step</th>'
+                 "<th>module</th><th>kind</th><th>where</th><th>message</th></tr></thead>"
+                 f"<tbody>{rows}</tbody></table>")
+    elif data.anomaly_source is not None:
+        html += f'<p class="ok">The detector ({escape(data.anomaly_source)}) recorded no anomaly.</p>'
+    else:
+        html += ('<p class="muted">No anomalies.json in the run directory (it is written by '
+                 "<code>gradtap demo</code>, or by <code>gradtap.report.write_anomalies(run_dir, "
+                 "det.anomalies)</code>).</p>")
+    if data.derived_anomalies:
+        rows = "".join(
+            f"<tr{_MORE if i >= 8 else ''}><td>{a['step']}</td><td><code>"
+            f"{escape(a['name'])}</code></td><td>{escape(a['kind'])}</td><td>{a['steps']}</td>"
+            f"<td>{a['last_step']}</td><td>{a['max_count']:,}</td></tr>"
+            for i, a in enumerate(data.derived_anomalies))
+        html += ("<h3>Non-finite values in the statistics</h3>"
+                 '<p class="muted">From the stored <code>nonfinite</code> counts of every '
+                 "tensor that ever held NaN/Inf: by first step; within a step, the block "
+                 "holding the origin the detector named first, then output gradients before "
+                 "parameter gradients, in model order.</p>"
+                 '<table class="data" id="nonfinite-table"><thead><tr><th>first step</th>'
+                 "<th>tensor</th><th>kind</th><th>steps affected</th><th>last step</th>"
+                 f"<th>max NaN/Inf count</th></tr></thead><tbody>{rows}</tbody></table>")
+        if len(data.derived_anomalies) > 8:
+            html += (f'<p><button type="button" class="more-toggle">show all '
+                     f"{len(data.derived_anomalies)} rows</button></p>")
+    elif data.nonfinite:
+        html += '<p class="ok">No NaN or Inf in any recorded gradient.</p>'
+    return html
+
+
+def layer_table(data: ReportData) -> str:
+    """One row per stored tensor: its norms over the run, NaN/Inf steps, update ratio."""
+    if not data.layers:
+        return ""
+    rows = []
+    for ly in data.layers:
+        bad = ' class="bad"' if ly.nonfinite_steps else ""
+        rows.append(
+            f"<tr{bad}><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
+            f"<td>{escape(_shape(ly.shape))}</td><td>{ly.steps}</td>"
+            f"<td>{_value(ly.first_norm)}</td><td>{_value(ly.last_norm)}</td>"
+            f"<td>{_value(ly.median_norm)}</td><td>{_value(ly.max_norm)}</td>"
+            f"<td>{ly.nonfinite_steps}</td><td>{_value(ly.median_ratio)}</td></tr>")
+    return ('<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
+            "<th>shape</th><th>steps</th><th>first norm</th><th>last norm</th><th>median norm</th>"
+            "<th>max norm</th><th>NaN/Inf steps</th><th>median update ratio</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def ewma_state(data: ReportData) -> str:
+    """The Monitor's elementwise EWMA at the end of the run, under the EWMA section's bands."""
+    if not data.ewma:
+        return ""
+    rows = []
+    for name, e in data.ewma.items():
+        numel = e.get("numel") or 0
+        rms_std = math.sqrt(e["var_mean"]) if isinstance(e.get("var_mean"), float) and e[
+            "var_mean"] >= 0 else math.nan
+        snr = (e["mean_norm"] ** 2 / (numel * e["var_mean"])
+               if numel and e.get("var_mean") and math.isfinite(e["var_mean"]) else math.nan)
+        rows.append(f"<tr><td><code>{escape(name)}</code></td><td>{escape(_shape(e.get('shape')))}"
+                    f"</td><td>{e.get('updates')}</td><td>{_value(e.get('mean_norm'))}</td>"
+                    f"<td>{_value(rms_std)}</td><td>{_value(snr)}</td></tr>")
+    poisoned = len([e for e in data.ewma.values()
+                    if not (isinstance(e.get("mean_norm"), float)
+                            and math.isfinite(e["mean_norm"]))])
+    html = ""
+    if poisoned:
+        html += (f'<div class="callout warn">The Monitor\'s EWMA state is NaN for {poisoned} of '
+                 f"{len(data.ewma)} parameters: a non-finite gradient entered it (see "
+                 "Anomalies) and an EWMA keeps a NaN forever. The bands above are recomputed "
+                 "from the stored per-step norms and skip non-finite steps.</div>")
+    html += ("<h3>Elementwise EWMA state at the end of the run</h3>"
+             '<p class="muted">From the Monitor (<code>ewma=</code>): the norm of the EWMA mean '
+             "of each gradient, the RMS of its elementwise EWMA std, and their ratio "
+             "‖m‖²/(n·mean v) (a signal-to-noise ratio; below 1 the gradient is mostly noise). "
+             "NaN means a non-finite gradient entered the EWMA.</p>"
+             '<table class="data"><thead><tr><th>parameter</th><th>shape</th><th>updates</th>'
+             "<th>‖EWMA mean‖</th><th>RMS EWMA std</th><th>SNR</th></tr></thead>"
+             f"<tbody>{''.join(rows)}</tbody></table>")
+    return html
+
+
+def metadata(data: ReportData) -> str:
+    """The run's metadata, its configuration and selection, and the model's parameters."""
+    meta = dict(data.meta)
+    model = meta.pop("model", None) or {}
+    config = meta.pop("config", None) or {}
+    selected = meta.pop("selected", None) or {}
+    meta.pop("histogram", None)
+    rows: list[tuple[str, Any]] = [("run directory", str(data.path.resolve()))]
+    for key in ("status", "start_time", "end_time", "gradtap_version", "torch_version",
+                "python_version", "world_size", "schema_version"):
+        if key in meta:
+            rows.append((key.replace("_", " "), meta.pop(key)))
+    rows += [(f"config: {k}", v) for k, v in config.items()]
+    rows += [(f"selected {k}", ", ".join(map(str, v)) if isinstance(v, list) else v)
+             for k, v in selected.items()]
+    rows += [(k, v) for k, v in meta.items()]  # anything passed as meta=
+    html = _kv_table(rows)
+    params = model.get("parameters") or []
+    if params:
+        prow = "".join(
+            f"<tr><td><code>{escape(str(p[0]))}</code></td><td>{escape(_shape(p[1]))}</td>"
+            f"<td>{escape(str(p[2]) if len(p) > 2 else '')}</td>"
+            f"<td>{escape(str(p[3]) if len(p) > 3 else '')}</td></tr>"
+            for p in params if isinstance(p, list) and p)
+        html += (f"<h3>Model: {escape(str(model.get('class', '?')))}</h3>"
+                 '<table class="data"><thead><tr><th>parameter</th><th>shape</th><th>dtype</th>'
+                 f"<th>trainable</th></tr></thead><tbody>{prow}</tbody></table>")
+    if model.get("repr"):
+        html += (f"<details><summary>Model structure</summary><pre>{escape(str(model['repr']))}"
+                 "</pre></details>")
+    return html
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return escape(format_number(v, short=True))
+    if isinstance(v, (dict, list)):
+        return f"<code>{escape(json.dumps(v, default=str))}</code>"
+    return escape("—" if v is None else str(v))
+
+
+def _shape(shape: Any) -> str:
+    if isinstance(shape, list):
+        return "×".join(str(s) for s in shape) or "scalar"
+    return "" if shape is None else str(shape)
+
+
+def _kv_table(rows: Sequence[tuple[str, Any]]) -> str:
+    body = "".join(f"<tr><th>{escape(str(k))}</th><td>{_value(v)}</td></tr>" for k, v in rows)
+    return f'<table class="kv">{body}</table>'
+
+
+def _message(message: Any) -> str:
+    """The first line of a (detector) message, the rest folded away as preformatted text."""
+    text = str(message or "").strip()
+    first, _, rest = text.partition("\n")
+    if not rest.strip():
+        return escape(first)
+    return (f"{escape(first)}<details><summary>details</summary><pre>{escape(rest)}</pre>"
+            "</details>")
+
+
+def _first_line(message: Any) -> str:
+    return str(message or "").strip().split("\n", 1)[0]
