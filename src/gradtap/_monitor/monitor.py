@@ -27,14 +27,22 @@ from gradtap._monitor.history import MemoryRun, SeriesTable, StepRows
 from gradtap._monitor.meta import run_meta
 from gradtap._monitor.options import DEFAULT_STATS, KINDS, PARAM_KINDS, check_options
 from gradtap._monitor.reducer import Part, StepReducer
-from gradtap._monitor.scaler import SCALER_NAME, queue_amp, unscale, unscaled
+from gradtap._monitor.scaler import SCALER_NAME, queue_amp
 from gradtap._monitor.sharded import Layouts, shard_job
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, tap
+from gradtap.capture import (
+    HookSet,
+    ScalerWatch,
+    check_scaler,
+    compiled_feature,
+    session,
+    tap,
+    unscale,
+)
 from gradtap.errors import SelectionError
 from gradtap.record import GradRecord
-from gradtap.select import clean_name, select_parameters, unwrap_model
+from gradtap.select import clean_name
 from gradtap.store import Histogram, Run, RunWriter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,12 +145,11 @@ class Monitor:
         meta: dict[str, Any] | None = None,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Monitor needs an nn.Module; got {type(model).__name__}")
+        sess = session(model, "Monitor")
         check_scaler(scaler, "Monitor")
         # DDP / torch.compile / FSDP1 wrappers: watch (and name) the model inside; a
         # compiled model's per-call taps go through its wrapper (they run eagerly).
-        compiled, model = model, unwrap_model(model)
+        compiled, model = model, sess.root
         self.stats, self.kinds, edges = check_options(
             stats, kinds, ewma=ewma, every=every, local_grads=local_grads, hist_bins=hist_bins,
             hist_scale=hist_scale, hist_range=hist_range, hist_linthresh=hist_linthresh)
@@ -154,8 +161,8 @@ class Monitor:
         self._reducer = StepReducer(self.stats, edges, reduce=distributed.is_distributed())
 
         wants_params = bool(set(self.kinds) & set(PARAM_KINDS)) or ewma is not None
-        self._params: list[tuple[str, nn.Parameter]] = [
-            (clean_name(n), p) for n, p in select_parameters(model, select)] if wants_params else []
+        self._params: list[tuple[str, nn.Parameter]] = (
+            sess.parameters(select) if wants_params else [])
         # FSDP2 (DTensor parameters) under a process group: every parameter kind is taken from
         # this rank's shards and reduced across ranks with the step's other statistics.
         self._sharded = distributed.is_distributed() and any(
@@ -187,7 +194,8 @@ class Monitor:
         self._series = SeriesTable()
 
         self._hooks = HookSet()
-        self._amp: ScalerWatch | None = None if scaler is None else self._hooks.grad_scaler(scaler)
+        self._hooks.add_cleanup(sess.attach().detach)
+        self._amp: ScalerWatch | None = sess.scaler(scaler, "Monitor")
         self._tap = None
         self._writer: RunWriter | None = None
         self._store_path = None if store is None else os.fspath(store)
@@ -405,7 +413,7 @@ class Monitor:
             if g is not None and g.numel() and g.is_floating_point():
                 keys.append(f"{clean_name(rec.module_name)}:{path}")
                 # Activation gradients are always those of the scaled loss.
-                tensors.append(g if scale is None else unscaled(g, scale))
+                tensors.append(unscale(g, scale))
         if tensors:
             self._pending.append(self._reducer.part(keys, tensors))
 
@@ -415,7 +423,7 @@ class Monitor:
             if self._active and p.grad is not None:
                 scale = None if self._amp is None else self._amp.step_scale()
                 g = p.grad.detach()
-                self._local[name] = g.clone() if scale is None else unscaled(g, scale)
+                self._local[name] = g.clone() if scale is None else unscale(g, scale)
 
         return hook
 
@@ -438,7 +446,8 @@ class Monitor:
             grads, counts = self._layouts.shards(grads)
         amp = None
         if self._amp is not None:
-            grads = unscale(self._amp, dict(self._params), grads)
+            owner = dict(self._params)
+            grads = {n: self._amp.unscaled(g, owner[n]) for n, g in grads.items()}
             amp = (queue_amp(self._amp, grads, copy, red.reduction, counts) if sharded
                    else queue_amp(self._amp, grads, copy))
         if "param_grad" in self.kinds:

@@ -1,8 +1,9 @@
 """The grad scaler in the Monitor (``scaler=``): unscaled gradients, the step's scale and overflow.
 
-Every statistic, histogram, EWMA and snapshot sees ``g / scale``: :func:`unscale` divides each
-parameter gradient by the factor the scaler left on it (none after ``scaler.unscale_``), and
-:func:`unscaled` divides activation gradients, always those of the scaled loss. Each step also
+Every statistic, histogram, EWMA and snapshot sees ``g / scale``: the Monitor divides each
+parameter gradient by the factor the scaler left on it (none after ``scaler.unscale_``) and
+activation gradients, always those of the scaled loss, by the step's scale, both with
+capture's one formula (:meth:`~gradtap.capture.ScalerWatch.unscaled`). Each step also
 stores, on name :data:`SCALER_NAME`, the step's scale and whether the scaler found an inf/NaN
 (:func:`queue_amp`).
 """
@@ -13,32 +14,16 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradtap import _tensorops as ops
 from gradtap import distributed
 from gradtap.capture import ScalerWatch
 
-__all__ = ["SCALER_NAME", "queue_amp", "unscale", "unscaled"]
+__all__ = ["SCALER_NAME", "queue_amp"]
 
 #: The name under which the grad scaler's statistics of a step are stored.
 SCALER_NAME = "<scaler>"
-
-
-def unscaled(g: Tensor, scale: Tensor) -> Tensor:
-    """``g / scale``, computed (and kept) in float32 at least, without a host sync."""
-    acc = torch.promote_types(g.dtype, torch.float32)
-    return g.to(acc) / scale.to(g.device, acc)
-
-
-def unscale(amp: ScalerWatch, params: dict[str, nn.Parameter], grads: dict[str, Tensor]
-            ) -> dict[str, Tensor]:
-    """Each gradient divided by the factor the grad scaler left on it (if any)."""
-    out = {}
-    for n, g in grads.items():
-        factor = amp.factor(params[n])
-        out[n] = g if factor is None else unscaled(g, factor)
-    return out
 
 
 def queue_amp(amp: ScalerWatch, grads: dict[str, Tensor], copy: ops.HostCopy,

@@ -83,11 +83,10 @@ class Session:
         rank, size = world()
         if size == 1:
             return Distributed("none", rank, size)
-        for p in self.root.parameters():
-            if is_sharded(p):
-                ndim = p.device_mesh.ndim  # type: ignore[attr-defined]
-                return Distributed("hsdp" if ndim > 1 else "fsdp2", rank, size)
-            break
+        sharded = next((p for p in self.root.parameters() if is_sharded(p)), None)
+        if sharded is not None:
+            ndim = sharded.device_mesh.ndim  # type: ignore[attr-defined]
+            return Distributed("hsdp" if ndim > 1 else "fsdp2", rank, size)
         return Distributed("ddp", rank, size)
 
     def scaler(self, scaler: torch.amp.GradScaler | None, owner: str) -> ScalerWatch | None:
