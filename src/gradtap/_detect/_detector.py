@@ -34,9 +34,9 @@ from gradtap._detect._spikes import ParamSpikes, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._tensorops.sharded import is_sharded, world
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature
+from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, session
 from gradtap.errors import GradientAnomaly
-from gradtap.select import select_modules, unwrap_model
+from gradtap.select import unwrap_model
 
 __all__ = ["Detector", "detect"]
 
@@ -63,8 +63,7 @@ class Detector:
         options: WatchOptions | None = None,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"detect() needs an nn.Module; got {type(model).__name__}")
+        sess = session(model, "detect()")
         # Under DDP the inner module is watched and replayed (its forward has no collectives);
         # a compiled model keeps its wrapper (the screen's hooks stay outside compiled code).
         model = unwrap_model(model, keep_compiled=True)
@@ -85,10 +84,10 @@ class Detector:
 
         # A compiled model keeps its wrapper (the screen's hooks stay outside compiled code);
         # names are those of the model it compiles.
-        selected = select_modules(unwrap_model(model), select)  # SelectionError naming close names
+        selected = sess.modules(select)  # SelectionError naming close names
         options = options or WatchOptions()
         self._selected = {name for name, _ in selected}
-        self._modules: dict[str, nn.Module] = dict(unwrap_model(model).named_modules())
+        self._modules: dict[str, nn.Module] = dict(sess.root.named_modules())
         self._step = 0
         self._skip = False
         self._rank, self._world = world()
@@ -101,9 +100,9 @@ class Detector:
         self._ready: list[Found] = []  # found by a replay, not yet emitted
         self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
         self._hooks = HookSet()
-        self._amp: ScalerWatch | None = None
-        if scaler is not None:
-            self._amp = self._hooks.grad_scaler(scaler)
+        self._hooks.add_cleanup(sess.attach().detach)
+        self._amp: ScalerWatch | None = sess.scaler(scaler, "detect()")
+        if self._amp is not None:
             self._spikes.scale_of = self._scale
         self._param_spikes: ParamSpikes | None = None
         self._screen: Screen | None = None

@@ -21,8 +21,7 @@ from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, Spike
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._types import Selector
-from gradtap.capture import compiled_feature
-from gradtap.select import select_modules, unwrap_model
+from gradtap.capture import compiled_feature, session
 
 __all__ = ["Localizer"]
 
@@ -113,7 +112,7 @@ class Localizer:
 
     def _watch(self, options: WatchOptions, step: int) -> CallWatch:
         with compiled_feature(None):  # a replay runs eagerly, and says nothing
-            return CallWatch(self._model, select_modules(unwrap_model(self._model), self._select),
+            return CallWatch(self._model, session(self._model).modules(self._select),
                              keep_forward=self._keep_forward, options=options, step=step)
 
     def _replay(self, watch: CallWatch, backward: list[RootCall]) -> None:

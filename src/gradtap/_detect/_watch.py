@@ -48,9 +48,16 @@ from gradtap._detect._messages import (
     spike_anomaly,
 )
 from gradtap._detect._spikes import SpikeTracker
-from gradtap.capture import Listener, OncePerBackward, compat, graph_nodes, saved_tensors, tap
+from gradtap.capture import (
+    Listener,
+    OncePerBackward,
+    compat,
+    graph_nodes,
+    saved_tensors,
+    session,
+    tap,
+)
 from gradtap.record import GradRecord
-from gradtap.select import unwrap_model
 
 __all__ = ["CallWatch", "WatchOptions"]
 
@@ -88,7 +95,7 @@ class CallWatch(Listener):
         #: Called at the end of each backward, after its check (the detector emits there).
         self.on_backward_end: Callable[[], None] | None = None
         self.selected = {name for name, _ in selected}
-        self._modules: dict[str, nn.Module] = dict(unwrap_model(model).named_modules())
+        self._modules: dict[str, nn.Module] = dict(session(model).root.named_modules())
         self._measured = Measured()
         self._back: Backward | None = None  # what the running backward collected
         self._end = OncePerBackward(self._end_of_backward)
