@@ -129,6 +129,7 @@ def _ddp_worker(rank: int, world: int) -> dict:
     net = _mlp()
     plain = copy.deepcopy(net)
     ddp = DDP(net)
+    result["session"] = list(gt.capture.session(ddp).distributed())
     x_all, y_all = _data(world)
     x, y = x_all[rank * BATCH:(rank + 1) * BATCH], y_all[rank * BATCH:(rank + 1) * BATCH]
 
@@ -199,6 +200,7 @@ def _ddp_worker(rank: int, world: int) -> dict:
 def test_ddp_records_detect_agreement_and_replay():
     out = run_ranks(_ddp_worker, 2, timeout=120)
     for rank, r in enumerate(out):
+        assert r["session"] == ["ddp", rank, 2]
         tap = r["tap"]
         assert tap["names"] == ["0", "2"]  # no "module." prefix
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
@@ -253,6 +255,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     result: dict = {}
     plain = _mlp()
     net = wrap("fsdp", _mlp())
+    result["session"] = list(gt.capture.session(net).distributed())
     x_all, y_all = _data(world)
     x, y = x_all[rank * BATCH:(rank + 1) * BATCH], y_all[rank * BATCH:(rank + 1) * BATCH]
 
@@ -361,6 +364,7 @@ def test_fsdp2_records_transforms_and_detect():
     out = run_ranks(_fsdp_worker, 2, timeout=150)
     ref = _one_process_grads()
     for rank, r in enumerate(out):
+        assert r["session"] == ["fsdp2", rank, 2]
         tap = r["tap"]
         assert tap["names"] == ["0", "2"] and tap["types"] == ["Linear"]  # not FSDPLinear
         assert tap["shapes"] == {"0.weight": [7, 5], "0.bias": [7], "2.weight": [3, 7],
