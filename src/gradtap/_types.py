@@ -10,8 +10,9 @@ Shape letters used in docstrings and einsum strings throughout the package:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, TypeGuard
 
 from torch import nn
 
@@ -29,3 +30,14 @@ KeepLiteral = Literal["inputs", "outputs"]
 WhenLiteral = Literal["backward", "accumulate", "step"]
 OnLiteral = Literal["param_grad", "grad_output", "grad_input"]
 StatName = Literal["norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac"]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an integer and not a ``bool`` (``True`` is an ``int`` to Python, but
+    never a count or a size to gradtap): the one check behind every int-valued option.
+
+    Example:
+        >>> is_int(3), is_int(True), is_int(3.0)
+        (True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

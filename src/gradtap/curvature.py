@@ -19,7 +19,7 @@ from typing import TypeAlias, overload
 import torch
 from torch import Tensor, nn
 
-from gradtap._types import Selector
+from gradtap._types import Selector, is_int
 from gradtap.select import select_parameters
 
 __all__ = ["hessian_trace", "hvp", "top_eigenvalue"]
@@ -249,7 +249,7 @@ def hessian_trace(
         18.0
     """
     where = "hessian_trace"
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    if not is_int(samples) or samples < 1:
         raise ValueError(f"{where}: samples must be a positive int, got {samples!r}")
     names, tensors = _resolve(params, select, where)
     loss = _check_loss(loss_fn(), where)
@@ -317,7 +317,7 @@ def top_eigenvalue(
         12.0
     """
     where = "top_eigenvalue"
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+    if not is_int(iters) or iters < 1:
         raise ValueError(f"{where}: iters must be a positive int, got {iters!r}")
     if tol < 0:
         raise ValueError(f"{where}: tol must be >= 0, got {tol!r}")

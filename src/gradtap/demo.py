@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradtap._types import is_int
 from gradtap.report.data import anomaly_to_dict, write_anomalies, write_metrics
 
 __all__ = ["DemoNet", "DemoResult", "load_digits_tensors", "run_demo"]
@@ -152,7 +153,7 @@ def run_demo(
     Raises:
         ValueError: ``steps`` < 1, or ``inject_nan`` outside ``[0, steps)``.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"steps must be a positive int; got {steps!r}")
     if inject_nan is not None and not 0 <= inject_nan < steps:
         raise ValueError(f"inject_nan must be a step in [0, {steps}); got {inject_nan}")

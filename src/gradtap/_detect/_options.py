@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from gradtap._types import is_int
+
 __all__ = ["ActionLiteral", "ScreenLiteral", "check_options"]
 
 ActionLiteral = Literal["raise", "warn", "record"]
@@ -28,7 +30,7 @@ def check_options(*, action: str, spike: float | None, warmup: int, spike_beta: 
                               or not spike > 1.0 or math.isinf(spike)):
         raise ValueError("spike must be None or a finite factor > 1 over the EWMA of a norm "
                          f"(e.g. 10.0); got {spike!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0 (steps before spikes are checked); "
                          f"got {warmup!r}")
     if not (isinstance(spike_beta, (int, float)) and 0.0 <= spike_beta < 1.0):

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from torch import Tensor
 
 from gradtap import _tensorops as ops
+from gradtap._types import is_int
 from gradtap.store import KIND_NAMES
 
 __all__ = ["DEFAULT_STATS", "KINDS", "PARAM_KINDS", "check_options"]
@@ -30,7 +31,7 @@ def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | N
     kinds = _check_kinds(kinds)
     if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
         raise ValueError(f"ewma must be None or a factor beta with 0 <= beta < 1; got {ewma!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if not is_int(every) or every < 1:
         raise ValueError(f"every must be a positive int; got {every!r}")
     if local_grads and "param_grad" not in kinds:
         raise ValueError("local_grads=True watches param_grad; add 'param_grad' to kinds")

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradtap._types import is_int
+
 __all__ = ["hist_edges", "histogram_counts"]
 
 
@@ -28,7 +30,7 @@ def hist_edges(
         >>> hist_edges(4, "linear").tolist()
         [-1.0, -0.5, 0.0, 0.5, 1.0]
     """
-    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+    if not is_int(bins) or bins < 1:
         raise ValueError(f"hist_bins must be a positive int; got {bins!r}")
     if scale not in ("linear", "symlog"):
         raise ValueError(f"hist_scale must be 'linear' or 'symlog'; got {scale!r}")

@@ -20,6 +20,7 @@ from torch import Tensor
 from gradtap._tensorops import ewma_init, ewma_update_, group_norms
 from gradtap._tensorops.sharded import centered_rows, is_sharded, local, rebuild, sumsq_whole
 from gradtap._transform.base import State, Transform, _mark_group_only, stateless
+from gradtap._types import is_int
 
 __all__ = [
     "add_noise",
@@ -379,7 +380,7 @@ def add_noise(std: float, seed: int = 0) -> Transform:
     sigma = _real("std", "add_noise", std)
     if not 0.0 <= sigma < math.inf:
         raise ValueError(f"add_noise: std must be >= 0 and finite; got {std!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    if not is_int(seed):
         raise TypeError(f"add_noise: seed must be an int; got {type(seed).__name__} {seed!r}")
     gen = torch.Generator()
     try:
