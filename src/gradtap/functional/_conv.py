@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gradtap._types import is_int
 from gradtap.functional._weight_grad import weight_grad, weight_grad_problem
 
 __all__ = ["conv", "conv_input_grad", "conv_weight_grad"]
@@ -62,7 +61,7 @@ def _spatial_dims(weight_ndim: int, where: str) -> int:
 
 
 def _tuple(value: IntOrTuple, d: int, name: str, minimum: int) -> tuple[int, ...]:
-    if isinstance(value, bool):  # an int to Python, never a size
+    if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a sequence of {d} ints, got {value!r}")
     if isinstance(value, int):
         out = (value,) * d
@@ -70,7 +69,7 @@ def _tuple(value: IntOrTuple, d: int, name: str, minimum: int) -> tuple[int, ...
         out = tuple(value)
         if len(out) == 1:
             out = out * d
-        if len(out) != d or not all(is_int(v) for v in out):
+        if len(out) != d or not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
             raise ValueError(
                 f"{name} must be an int or a sequence of {d} ints for a {d}d convolution, "
                 f"got {value!r}"
@@ -146,7 +145,7 @@ class _Options:
         self.padding, self.extra = _resolve_padding(
             padding, self.kernel, self.stride, self.dilation, bool(transposed)
         )
-        if not is_int(groups) or groups < 1:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"{where}: groups must be a positive int, got {groups!r}")
         self.groups = groups
         self.transposed = bool(transposed)
