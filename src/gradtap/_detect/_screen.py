@@ -11,7 +11,7 @@ A healthy step should cost little, so the screen keeps no records and walks no g
   per call. A small tensor is kept by reference and reduced with the others in one batched
   norm at the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
 * Around each call of the model the screen also keeps the arguments (references), the RNG
-  state and the autocast state: what a replay needs.
+  state and the autocast state (capture's replay kit): what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
   pending forward and gradient reduction plus a finiteness flag for every parameter gradient
   (one fused pass over the small ones, the in-backward sums of the large ones). A healthy
@@ -40,8 +40,10 @@ from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
 from gradtap._tensorops.sharded import is_sharded, local
 from gradtap.capture import (
+    AutocastState,
     HookSet,
     OncePerBackward,
+    RngState,
     argument_tensors,
     compat,
     compiled_feature,
@@ -63,28 +65,18 @@ STACKED = 1 << 14
 #: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
 SMALL = 1 << 16
 _HALF = (torch.float16, torch.bfloat16)
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-#: The autocast state of a call made with autocast off on every device.
-_NO_AUTOCAST = tuple((d, False, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
 class RootCall:
     """One call of the model in this step: what a replay needs, and what the screen checks."""
 
-    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads",
-                 "reported")
+    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "reported")
 
     def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
-        self.rng = torch.default_generator.get_state()  # torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices] if cuda_devices else []
-        self.autocast = _NO_AUTOCAST
-        for d in _AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(d):
-                self.autocast = tuple((e, torch.is_autocast_enabled(e),
-                                       torch.get_autocast_dtype(e)) for e in _AUTOCAST_DEVICES)
-                break
+        self.rng = RngState(cuda_devices)
+        self.autocast = AutocastState.capture()
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
         self.reported = False  # an anomaly of its forward was reported: skip its backward
 
