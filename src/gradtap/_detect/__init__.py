@@ -11,10 +11,11 @@ NaN/Inf counts, the ranges of the module's forward tensors and parameters agains
 dtype, and a hint. See :func:`detect`.
 
 Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), ``_screen``
-(the light screen), ``_replay`` (rerunning a step), ``_watch`` (the per-call watch),
-``_measure`` (what the watch measures), ``_spikes`` (the spike trackers), ``_messages`` (the
-report of each kind of anomaly), ``_anomaly`` (the Anomaly type and report helpers),
-``_host`` (batched reductions and host copies), ``_dump`` (dump files).
+(the light screen), ``_params`` (the parameter gradients it reads), ``_replay`` (rerunning a
+step), ``_watch`` (the per-call watch), ``_measure`` (what the watch measures), ``_spikes``
+(the spike trackers), ``_messages`` (the report of each kind of anomaly), ``_anomaly`` (the
+Anomaly type and report helpers), ``_host`` (batched reductions and host copies), ``_dump``
+(dump files).
 """
 
 from __future__ import annotations
