@@ -159,6 +159,23 @@ def test_an_autocast_state_is_entered_again_on_and_off_alike():
     assert AutocastState.capture() == off
 
 
+def test_autocast_off_keeps_a_dtype_set_outside_any_autocast_block():
+    # What a torch.autocast without dtype inside the replayed call would pick.
+    default = torch.get_autocast_dtype("cpu")
+    other = torch.float16 if default != torch.float16 else torch.bfloat16
+    torch.set_autocast_dtype("cpu", other)
+    try:
+        state = AutocastState.capture()
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert state.settings[0] == ("cpu", False, other)
+    assert AutocastState.capture().settings[0] == ("cpu", False, default)
+    with state.entered():
+        assert torch.get_autocast_dtype("cpu") == other
+        assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == default
+
+
 class _Reassigns(nn.Module):
     """Updates one buffer in place and replaces another with a new tensor."""
 

@@ -127,7 +127,12 @@ class AutocastState(NamedTuple):
     def capture(cls) -> AutocastState:
         """Return the settings in force now."""
         enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-        return cls(tuple([(d, enabled(d), dtype(d)) for d in AUTOCAST_DEVICES]))
+        # The usual call (autocast off, default dtypes) shares one state: this runs per call.
+        for d, _, default in _OFF.settings:
+            if enabled(d) or dtype(d) != default:
+                return tuple.__new__(cls, (tuple([(e, enabled(e), dtype(e))
+                                                  for e in AUTOCAST_DEVICES]),))
+        return _OFF
 
     @contextmanager
     def entered(self) -> Iterator[None]:
@@ -136,6 +141,10 @@ class AutocastState(NamedTuple):
             for device, enabled, dtype in self.settings:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             yield
+
+
+#: Autocast off on every device, each with its default dtype.
+_OFF = AutocastState(tuple((d, False, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES))
 
 
 class RngState:
@@ -163,9 +172,12 @@ class RngState:
     __slots__ = ("cpu", "cuda", "devices")
 
     def __init__(self, cuda: Sequence[int | torch.device] = ()) -> None:
-        self.devices = tuple(cuda)
         self.cpu: Tensor = torch.default_generator.get_state()
-        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices] if self.devices else []
+        if cuda:
+            self.devices = tuple(cuda)
+            self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        else:  # the usual case, made per call of a model: nothing else to do
+            self.devices, self.cuda = (), []
 
     def restore(self) -> None:
         """Set every generator saved back to its saved state."""
