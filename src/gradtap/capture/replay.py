@@ -143,7 +143,8 @@ class AutocastState(NamedTuple):
             yield
 
 
-#: Autocast off on every device, each with its default dtype.
+#: The usual call's state: autocast off on every device, with the dtypes in force when gradtap
+#: was imported (torch's defaults, as a rule).
 _OFF = AutocastState(tuple((d, False, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES))
 
 
