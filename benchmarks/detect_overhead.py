@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
 from _harness import Timing, interleaved, machine, markdown_table, steps_for  # noqa: E402
+from gradtap._detect._params import ParamGrads  # noqa: E402
 from gradtap._detect._screen import Screen  # noqa: E402
 
 
@@ -151,9 +152,10 @@ def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
     each of them: the screen's own cost, without the noise of whole-step timings (the timers
     themselves add about a microsecond per hook)."""
     spent = [0.0]
-    patched = {}
-    for name in ("_before", "_after", "_on_grad", "_sum_grad", "check"):
-        real = patched[name] = getattr(Screen, name)
+    patched: dict[tuple[type, str], Callable] = {}
+    for owner, name in ((Screen, "_before"), (Screen, "_after"), (Screen, "_on_grad"),
+                        (ParamGrads, "sum_grad"), (Screen, "check")):
+        real = patched[owner, name] = getattr(owner, name)
 
         def timed(*a: object, real: Callable = real, **k: object) -> object:
             start = time.perf_counter()
@@ -162,7 +164,7 @@ def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
             finally:
                 spent[0] += time.perf_counter() - start
 
-        setattr(Screen, name, timed)
+        setattr(owner, name, timed)
     try:
         step = _detect(model, x, y)
         for _ in range(3):
@@ -174,8 +176,8 @@ def _screen_time(model: nn.Module, x: Tensor, y: Tensor, steps: int) -> float:
             per_step.append(spent[0])
         step.cleanup()  # type: ignore[attr-defined]
     finally:
-        for name, real in patched.items():
-            setattr(Screen, name, real)
+        for (owner, name), real in patched.items():
+            setattr(owner, name, real)
     return statistics.median(per_step)
 
 

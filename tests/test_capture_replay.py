@@ -1,15 +1,26 @@
 """What other consumers see while ``gt.detect`` replays a step: nothing. A replay is not a
 training step, so a Monitor's statistics and a transform's state end exactly as in the same
-run without detect; a listener that declares ``sees_replays`` does see it."""
+run without detect; a listener that declares ``sees_replays`` does see it. Then the replay kit:
+autocast state entered again, buffers and RNG state put back."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 import gradtap as gt
-from gradtap.capture import HookSet, Listener, replaying
+from gradtap.capture import (
+    AUTOCAST_DEVICES,
+    AutocastState,
+    HookSet,
+    Listener,
+    RngState,
+    buffers_restored,
+    replaying,
+)
 from tests._models import assert_no_hooks
 
 BAD_STEP = 2
@@ -126,3 +137,99 @@ def test_the_owner_of_a_replay_sees_it_and_replays_do_not_nest():
                 pass
         net(torch.randn(1, 2)).sum().backward()
     assert (owner.records, other.records, len(plain.records)) == (2, 1, 1)
+
+
+# -- the replay kit -------------------------------------------------------------------------------
+
+
+def test_an_autocast_state_is_entered_again_on_and_off_alike():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = AutocastState.capture()
+    off = AutocastState.capture()
+    assert [d for d, _, _ in on.settings] == list(AUTOCAST_DEVICES)
+    assert on.settings[0] == ("cpu", True, torch.bfloat16)
+    assert not any(enabled for _, enabled, _ in off.settings)
+    with on.entered():
+        assert AutocastState.capture() == on
+        assert torch.nn.Linear(2, 2)(torch.randn(1, 2)).dtype == torch.bfloat16
+        with off.entered():  # a call made with autocast off replays with it off
+            assert AutocastState.capture() == off
+            assert torch.nn.Linear(2, 2)(torch.randn(1, 2)).dtype == torch.float32
+        assert AutocastState.capture() == on
+    assert AutocastState.capture() == off
+
+
+def test_autocast_off_keeps_a_dtype_set_outside_any_autocast_block():
+    # What a torch.autocast without dtype inside the replayed call would pick.
+    default = torch.get_autocast_dtype("cpu")
+    other = torch.float16 if default != torch.float16 else torch.bfloat16
+    torch.set_autocast_dtype("cpu", other)
+    try:
+        state = AutocastState.capture()
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert state.settings[0] == ("cpu", False, other)
+    assert AutocastState.capture().settings[0] == ("cpu", False, default)
+    with state.entered():
+        assert torch.get_autocast_dtype("cpu") == other
+        assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == default
+
+
+class _Reassigns(nn.Module):
+    """Updates one buffer in place and replaces another with a new tensor."""
+
+    def __init__(self, shared: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("shared", shared, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count += 1
+        self.scale = self.scale * 2
+        self.shared.add_(1.0)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_buffers_come_back_bit_for_bit_and_as_the_same_tensors(fails):
+    torch.manual_seed(0)
+    shared = torch.randn(3)
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), _Reassigns(shared), _Reassigns(shared))
+    net(torch.randn(5, 3))  # running statistics that are not the initial ones
+    before = {name: (b, b.clone()) for name, b in net.named_buffers(remove_duplicate=False)}
+    with pytest.raises(ZeroDivisionError) if fails else contextlib.nullcontext(), \
+            buffers_restored(net):
+        net(torch.randn(5, 3) * 100)
+        assert not torch.equal(net[1].running_mean, before["1.running_mean"][1])
+        assert net[2].scale is not before["2.scale"][0]
+        if fails:
+            raise ZeroDivisionError
+    after = dict(net.named_buffers(remove_duplicate=False))
+    assert after.keys() == before.keys()
+    for name, (b, value) in before.items():
+        assert after[name] is b, name
+        assert torch.equal(b, value) and b.dtype == value.dtype, name
+    assert net[2].shared is net[3].shared is shared
+
+
+def test_an_rng_state_says_whether_numbers_were_drawn_and_draws_them_again():
+    torch.manual_seed(0)
+    saved = RngState()
+    assert not saved.moved()
+    drawn = torch.rand(4)
+    assert saved.moved()
+    saved.restore()
+    assert not saved.moved()
+    assert torch.equal(torch.rand(4), drawn)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_rng_state_keeps_the_cuda_generators_it_is_given():
+    saved = RngState([0])
+    drawn = torch.rand(4, device="cuda:0")
+    assert saved.moved()
+    saved.restore()
+    assert not saved.moved()
+    assert torch.equal(torch.rand(4, device="cuda:0"), drawn)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from gradtap._text import format_table
 from gradtap._types import Selector
-from gradtap.capture import compiled_feature, legacy_backward_grads, tap
+from gradtap.capture import buffers_restored, compiled_feature, legacy_backward_grads, tap
 from gradtap.record import GradRecord, describe_row, flatten_tensors, meaning, short_meaning
 from gradtap.select import select_modules, unwrap_model
 
@@ -158,10 +158,9 @@ def explain(
     saved_grads = {p: p.grad for p in model.parameters()}
     for p in saved_grads:
         p.grad = None  # backward would otherwise accumulate into the user's tensors in place
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     legacy_hooks, legacy_seen = legacy_backward_grads(selected) if legacy else (None, {})
     try:
-        with compiled_feature(None), tap(model, select=select) as t, \
+        with buffers_restored(model), compiled_feature(None), tap(model, select=select) as t, \
                 warnings.catch_warnings():
             # The legacy hook warns that it is deprecated; that is why we are here.
             warnings.filterwarnings("ignore", message=".*non-full backward hook.*")
@@ -179,10 +178,6 @@ def explain(
             legacy_hooks.remove()
         for p, g in saved_grads.items():
             p.grad = g
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in saved_buffers:
-                    b.copy_(saved_buffers[name])
     legacy_map = {}
     if legacy:
         legacy_map = {(r.module_name, r.call): _match_legacy(r, legacy_seen.get(r.module_name, []))

@@ -11,12 +11,12 @@ NaN/Inf counts, the ranges of the module's forward tensors and parameters agains
 dtype, and a hint. See :func:`detect`.
 
 Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), ``_options``
-(detect's options checked), ``_screen`` (the light screen), ``_localize`` (naming the origin
-by a replay), ``_replay`` (rerunning a step), ``_watch`` (the per-call watch), ``_measure``
-(what the watch measures), ``_spikes`` (the spike trackers), ``_messages`` (the report of each
-kind of anomaly), ``_anomaly`` (the Anomaly type and report helpers), ``_ranks`` (what ranks
-tell each other of a step's anomalies), ``_host`` (batched reductions and host copies),
-``_dump`` (dump files).
+(detect's options checked), ``_screen`` (the light screen), ``_params`` (the parameter
+gradients it reads), ``_localize`` (naming the origin by a replay), ``_replay`` (rerunning a
+step), ``_watch`` (the per-call watch), ``_measure`` (what the watch measures), ``_spikes``
+(the spike trackers), ``_messages`` (the report of each kind of anomaly), ``_anomaly`` (the
+Anomaly type and report helpers), ``_ranks`` (what ranks tell each other of a step's
+anomalies), ``_host`` (batched reductions and host copies), ``_dump`` (dump files).
 """
 
 from __future__ import annotations

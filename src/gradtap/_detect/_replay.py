@@ -15,15 +15,14 @@ still reported, from the screen's own evidence, with a note saying so.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradtap._detect._screen import RootCall, Screen
-from gradtap.capture import Listener, replaying
+from gradtap.capture import Listener, RngState, buffers_restored, replaying
 from gradtap.record import flatten_tensors, map_tensors
 
 __all__ = ["replay"]
@@ -38,16 +37,14 @@ def replay(screen: Screen, owner: Listener, backward: list[RootCall]) -> None:
     in_backward = {id(c) for c in backward}
     with ExitStack() as stack:
         stack.enter_context(replaying(owner))
-        stack.enter_context(_buffers_restored(screen.model))
-        stack.enter_context(torch.random.fork_rng(devices=screen.cuda))
+        stack.enter_context(buffers_restored(screen.model))
+        stack.callback(RngState(screen.cuda).restore)
         for call in screen.calls:
             if call.args is None:
                 continue
-            torch.set_rng_state(call.rng)
-            for d, state in zip(screen.cuda, call.cuda_rng):
-                torch.cuda.set_rng_state(state, d)
+            call.rng.restore()
             args, kwargs = _detached((call.args, call.kwargs))
-            with _autocast(call.autocast), torch.enable_grad():
+            with call.autocast.entered(), torch.enable_grad():
                 output = screen.model(*args, **kwargs)
             if id(call) not in in_backward or not call.grads:
                 continue
@@ -78,25 +75,3 @@ def _detached(obj: Any) -> Any:
         return new
 
     return map_tensors(obj, detach)
-
-
-@contextmanager
-def _autocast(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
-    with ExitStack() as stack:
-        for device, enabled, dtype in state:
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-        yield
-
-
-@contextmanager
-def _buffers_restored(model: nn.Module) -> Iterator[None]:
-    """Put every buffer back (same tensor object, same values) after the block."""
-    saved = [(module, name, b, b.clone()) for module in model.modules()
-             for name, b in module._buffers.items() if b is not None]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for module, name, b, value in saved:
-                module._buffers[name] = b
-                b.copy_(value)

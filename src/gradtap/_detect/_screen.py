@@ -11,10 +11,11 @@ A healthy step should cost little, so the screen keeps no records and walks no g
   per call. A small tensor is kept by reference and reduced with the others in one batched
   norm at the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
 * Around each call of the model the screen also keeps the arguments (references), the RNG
-  state and the autocast state: what a replay needs.
+  state and the autocast state (capture's replay kit): what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
   pending forward and gradient reduction plus a finiteness flag for every parameter gradient
-  (one fused pass over the small ones, the in-backward sums of the large ones). A healthy
+  (one fused pass over the small ones, the in-backward sums of the large ones: how the
+  parameter gradients are grouped and read is ``_params.py``'s job). A healthy
   step reads one flag per device: one fused finiteness pass over the parameter gradients and
   the sums of the screened tensors sets it; only when it is set does the full check look at
   each value, to say which is not finite.
@@ -35,13 +36,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtap import _tensorops as ops
 from gradtap._detect import _host
 from gradtap._detect._anomaly import LOSS
-from gradtap._tensorops.sharded import is_sharded, local
+from gradtap._detect._params import HALF, ParamGrads
+from gradtap._tensorops.sharded import local
 from gradtap.capture import (
+    AutocastState,
     HookSet,
     OncePerBackward,
+    RngState,
     argument_tensors,
     compat,
     compiled_feature,
@@ -56,35 +59,21 @@ __all__ = ["RootCall", "Screen", "Suspect"]
 #: Calls of the model kept (arguments, RNG state) per step for a replay; older calls of a
 #: step that runs more forwards than this without ``det.step()`` are not replayed.
 MAX_KEPT_CALLS = 64
-#: In norms mode on CPU, parameter gradients of one shape with at most this many elements each
-#: are stacked and reduced in one norm.
-STACKED = 1 << 14
 #: Tensors with at most this many elements are kept by reference until the check (one batched
 #: norm for all); larger ones are reduced as they come, so the screen keeps nothing big alive.
 SMALL = 1 << 16
-_HALF = (torch.float16, torch.bfloat16)
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-#: The autocast state of a call made with autocast off on every device.
-_NO_AUTOCAST = tuple((d, False, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
 class RootCall:
     """One call of the model in this step: what a replay needs, and what the screen checks."""
 
-    __slots__ = ("args", "kwargs", "rng", "cuda_rng", "autocast", "grads",
-                 "reported")
+    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "reported")
 
     def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
-        self.rng = torch.default_generator.get_state()  # torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda_devices] if cuda_devices else []
-        self.autocast = _NO_AUTOCAST
-        for d in _AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(d):
-                self.autocast = tuple((e, torch.is_autocast_enabled(e),
-                                       torch.get_autocast_dtype(e)) for e in _AUTOCAST_DEVICES)
-                break
+        self.rng = RngState(cuda_devices)
+        self.autocast = AutocastState.capture()
         self.grads: dict[str, Tensor] = {}  # dL/d(output) of the running backward
         self.reported = False  # an anomaly of its forward was reported: skip its backward
 
@@ -138,10 +127,6 @@ class Screen:
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
         self.backward_checked = False  # a backward of this step was checked
-        # Set by the detector with spike=: the check reduces each parameter gradient to its
-        # L2 norm (instead of a finiteness flag per group, which the norms imply), and leaves
-        # ``(params, norms)`` of the last check of parameter gradients in ``param_norms``.
-        self.norms_mode = False
         self.param_norms: tuple[list[tuple[str, Tensor]], np.ndarray] | None = None
         self._forward = _Pending()  # outputs since the last forward check
         self._grads = _Pending()  # gradients of the running backward
@@ -154,40 +139,14 @@ class Screen:
         # because nobody zeroed it is not a new anomaly.
         self._bad_params: dict[int, Tensor] = {}
         self._finite_at_start: dict[int, Tensor] = {}
-        # Sparse gradients (nn.Embedding(sparse=True)) are left out of the norms.
-        self._maybe_sparse = any(getattr(m, "sparse", False) is True for m in root.modules())
-        # Parameters read once (cheaper per check). Small ones are grouped by device and dtype
-        # as their gradients will be (one fused finiteness pass a group at the check); a large
-        # one's gradient is summed as soon as it is accumulated, while it is still in cache.
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
-        self._large_params: list[tuple[str, Tensor]] = []
-        for name, p in root.named_parameters():
-            if p.is_floating_point() and p.numel():
-                if p.numel() >= _host.BIG and not self._maybe_sparse:
-                    self._large_params.append((name, p))
-                else:
-                    groups.setdefault((p.device, p.dtype), []).append((name, p))
-        self._param_groups = list(groups.values())
         self._flags: dict[torch.device, Tensor] = {}  # the flags of the healthy step's check
-        # Norms mode on CPU: the one group's order and runs (see _norm_plan; () when none),
-        # and the gradients last listed in that order.
-        self._plan: tuple[list[tuple[str, Tensor]], list[Tensor],
-                          list[tuple[int, int, tuple[int, ...]]]] | tuple[()] | None = None
-        self._planned: list[Tensor] | None = None
-        # The usual model's fast path reads .grad as it is; a sharded one's goes through local().
-        self._one_group = ([p for _, p in self._param_groups[0]]
-                           if len(self._param_groups) == 1 and not self._large_params
-                           and not self._maybe_sparse
-                           and not any(is_sharded(p) for _, p in self._param_groups[0])
-                           else None)
-        # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
-        self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
+        self.params = ParamGrads(root)
         self.cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         self._arguments = argument_tensors(root)
         self.hooks = HookSet()
-        for _, param in self._large_params:
+        for _, param in self.params.large:
             if param.requires_grad:
-                self.hooks.post_accumulate_grad(param, self._sum_grad)
+                self.hooks.post_accumulate_grad(param, self.params.sum_grad)
         for name, module in modules:
             if module is not model and module is not root:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
@@ -197,6 +156,17 @@ class Screen:
             if release is not None:
                 self.hooks.add_cleanup(release)
         self.hooks.module_calls(model, self._before, self._after)
+
+    @property
+    def norms_mode(self) -> bool:
+        """Set by the detector with ``spike=``: the check reduces each parameter gradient to its
+        L2 norm (instead of a finiteness flag per group, which the norms imply), and leaves
+        ``(params, norms)`` of the last check of parameter gradients in ``param_norms``."""
+        return self.params.norms_mode
+
+    @norms_mode.setter
+    def norms_mode(self, on: bool) -> None:
+        self.params.norms_mode = on
 
     # -- hooks (no host sync) -----------------------------------------------------------------
 
@@ -266,19 +236,6 @@ class Screen:
             old = call.grads.get(path)
             call.grads[path] = g if old is None else old + g
 
-    def _sum_grad(self, p: Tensor) -> None:
-        grad = p.grad
-        if grad is None:
-            return
-        g = grad
-        if g.requires_grad:  # create_graph=True: no graph for the check
-            g = g.detach()
-        if self.norms_mode:
-            total = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF else None)
-        else:
-            total = g.sum(dtype=torch.float32) if g.dtype in _HALF else g.sum()
-        self._sums[id(p)] = (weakref.ref(grad), g._version, total)
-
     def _end_of_backward(self) -> None:
         backward, self._backward = self._backward, []
         try:
@@ -327,7 +284,7 @@ class Screen:
             pending.append(running)
             refs, ranges = refs + running.refs, ranges + running.ranges
             if not self.quiet_params:
-                params, grad_groups, summed = self._param_grads()
+                params, grad_groups, summed = self.params.listed()
             started = self._finite_at_start
         self._finite_at_start = {}
         self.param_norms = None
@@ -344,7 +301,7 @@ class Screen:
             # norms) instead of the flags.
             if self.norms_mode:
                 flags = []
-                vectors = [self._grad_norms(g) for g in grad_groups if g]
+                vectors = [self.params.norms(g) for g in grad_groups if g]
             else:
                 flags = _host.nonfinite_flags(grad_groups)
                 vectors = []
@@ -437,7 +394,7 @@ class Screen:
             lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             vectors: list[Tensor] = []
             if self.norms_mode:
-                vectors = [self._grad_norms(g) for g in grad_groups if g]
+                vectors = [self.params.norms(g) for g in grad_groups if g]
             else:  # the gradients themselves, written back as they are by the fused pass
                 for group in grad_groups:
                     if group:
@@ -445,10 +402,10 @@ class Screen:
             # Reductions made here, which the fused pass may write back too; a screened tensor
             # is summed (it is not ours to write), in float32 at least.
             owned: list[Tensor] = [*ranges, *(s for _, s in summed), *vectors]
-            owned += [t.sum() if t.dtype not in _HALF else t.sum(dtype=torch.float32)
+            owned += [t.sum() if t.dtype not in HALF else t.sum(dtype=torch.float32)
                       for t in refs]
             for t in owned:
-                if t.dtype in _HALF:
+                if t.dtype in HALF:
                     t = t.float()
                 key = (t.device, t.dtype)
                 same = lists.get(key)
@@ -482,47 +439,6 @@ class Screen:
                                          ).astype(np.float64))
         return True
 
-    def _norm_plan(self) -> tuple[list[tuple[str, Tensor]], list[Tensor],
-                                  list[tuple[int, int, tuple[int, ...]]]] | None:
-        """How norms mode reduces the one group of small CPU parameter gradients: the group
-        reordered so that parameters of one shape come together, and the ``(start, stop,
-        dims)`` of each run of two or more, whose gradients are stacked and reduced in one
-        norm (on CPU a foreach norm costs a kernel per tensor); the rest follow, reduced by
-        one foreach norm. None when not worth it (not on CPU, nothing to stack)."""
-        if self._plan is None:
-            group = self._param_groups[0]
-            by_shape: dict[tuple[int, ...], list[int]] = {}
-            for i, (_, p) in enumerate(group):
-                if p.device.type == "cpu" and 0 < p.dim() and p.numel() <= STACKED:
-                    by_shape.setdefault(tuple(p.shape), []).append(i)
-            runs = [idx for idx in by_shape.values() if len(idx) > 1]
-            order = [i for idx in runs for i in idx]
-            stacked = set(order)
-            order += [i for i in range(len(group)) if i not in stacked]
-            spans, at = [], 0
-            for idx in runs:
-                spans.append((at, at + len(idx), tuple(range(1, group[idx[0]][1].dim() + 1))))
-                at += len(idx)
-            named = [group[i] for i in order]
-            self._plan = (named, [p for _, p in named], spans) if spans else ()
-        return self._plan or None
-
-    def _grad_norms(self, grads: list[Tensor]) -> Tensor:
-        """The L2 norm of each of ``grads`` (one device and dtype), as one vector."""
-        plan = self._plan
-        if not plan or grads is not self._planned:
-            return ops.group_norms(grads)
-        self._planned = None
-        parts = []
-        low = grads[0].dtype in _HALF
-        for start, stop, dims in plan[2]:
-            parts.append(torch.linalg.vector_norm(torch.stack(grads[start:stop]), dim=dims,
-                                                  dtype=torch.float32 if low else None))
-        rest = plan[2][-1][1]
-        if rest < len(grads):
-            parts.append(ops.group_norms(grads[rest:]))
-        return torch.cat(parts)
-
     def _one_device_finite(self, refs: list[Tensor], params: list[tuple[str, Tensor]],
                            grads: list[Tensor]) -> bool | None:
         """:meth:`_all_finite` for the usual model: one list of parameter gradients, screened
@@ -530,7 +446,7 @@ class Screen:
         head = grads[0]
         dtype, device = head.dtype, head.device
         flag = self._flags.get(device)
-        if flag is None or dtype in _HALF:
+        if flag is None or dtype in HALF:
             return None
         for t in refs:
             if t.dtype != dtype or t.device != device:
@@ -540,7 +456,7 @@ class Screen:
         try:
             sums = [t.sum() for t in refs]
             if self.norms_mode:
-                norms = self._grad_norms(grads)
+                norms = self.params.norms(grads)
                 ok = compat.flag_nonfinite_([norms, *sums], flag)
                 host = _host.to_host([flag, norms])
             else:
@@ -559,56 +475,9 @@ class Screen:
         for flag in self._flags.values():
             flag.zero_()
 
-    def _param_grads(self) -> tuple[list[tuple[str, Tensor]], list[list[Tensor]],
-                                    list[tuple[Tensor, Tensor]]]:
-        """The parameters with a gradient to check, in the order of their values: those whose
-        gradients are to be reduced, by device and dtype, then those whose gradient was summed
-        in backward and is unchanged since, as ``(grad, sum)``."""
-        if self._one_group is not None:  # the usual model: every gradient there, one group
-            plan = self._norm_plan() if self.norms_mode else None
-            every: list[Any] = [p.grad for p in (self._one_group if plan is None else plan[1])]
-            for g in every:
-                if g is None:
-                    break
-            else:
-                if plan is None:
-                    return self._param_groups[0], [every], []
-                self._planned = every
-                return plan[0], [every], []
-        params: list[tuple[str, Tensor]] = []
-        groups: list[list[Tensor]] = []
-        for group in self._param_groups:
-            # A sharded gradient (FSDP2) is checked, and its norm taken, on this rank's shard.
-            grads: list[Any] = [local(p.grad) for _, p in group]
-            if not self._maybe_sparse and not any(g is None for g in grads):
-                params += group
-                groups.append(grads)
-                continue
-            keep = [i for i, g in enumerate(grads) if g is not None and _host.measurable(g)]
-            params += [group[i] for i in keep]
-            groups.append([grads[i] for i in keep])
-        summed_params: list[tuple[str, Tensor]] = []
-        summed: list[tuple[Tensor, Tensor]] = []
-        stale: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor, Tensor]]] = {}
-        for name, p in self._large_params:
-            g = local(p.grad)
-            if g is None or not _host.measurable(g):
-                continue
-            entry = self._sums.get(id(p))
-            if entry is not None and entry[0]() is g and entry[1] == g._version:
-                summed_params.append((name, p))
-                summed.append((g, entry[2]))
-            else:  # changed since its backward (or no hook saw it): reduced at the check
-                stale.setdefault((g.device, g.dtype), []).append((name, p, g))
-        for items in stale.values():
-            params += [(name, p) for name, p, _ in items]
-            groups.append([g for _, _, g in items])
-        return params + summed_params, groups, summed
-
     def new_step(self) -> None:
         """Forget this step's calls (``det.step()``)."""
-        if self._sums:
-            self._sums = {}
+        self.params.new_step()
         self.calls = []
         self.quiet_params = False
         self.backward_checked = False

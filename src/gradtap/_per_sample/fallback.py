@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,13 +38,11 @@ from torch.func import functional_call, grad, vmap
 
 from gradtap._per_sample.fallback_errors import CannotReplay
 from gradtap._per_sample.layout import CallSplit, Dim, Scalar, Slot, restore, split_call
+from gradtap.capture import AutocastState, RngState, buffers_restored
 from gradtap.errors import UnsupportedModuleError
 from gradtap.record import flatten_tensors
 
 __all__ = ["CannotReplay", "grad_fallback", "quiet_vmap", "replay_call"]
-
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-AutocastState = tuple[tuple[str, bool, torch.dtype], ...]
 
 
 @contextmanager
@@ -57,32 +55,6 @@ def quiet_vmap() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop.*batching rule")
         yield
-
-
-def autocast_state() -> AutocastState:
-    """The autocast settings now in force, to replay a call under the same ones."""
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                 for d in _AUTOCAST_DEVICES)
-
-
-@contextmanager
-def _autocast(state: AutocastState | None) -> Iterator[None]:
-    with ExitStack() as stack:
-        for device, enabled, dtype in state or ():
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-        yield
-
-
-@contextmanager
-def _buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Put every buffer's values back after the block (a replay must leave no trace)."""
-    saved = [(b, b.clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
 
 
 def _nest(flat: dict[str, Tensor]) -> dict[str, Any]:
@@ -185,7 +157,8 @@ def replay_call(
     # reduced over the batch) keeps its gradient as is.
     scales = {path: 1.0 if isinstance(slot, Scalar) else scale for path, slot in slots.items()}
     own = {k for k, _ in module.named_parameters(remove_duplicate=False)}
-    with _buffers_restored(module), torch.enable_grad(), _autocast(autocast):
+    with buffers_restored(module), torch.enable_grad(), \
+            autocast.entered() if autocast is not None else nullcontext():
         if all(k in own for k in params) and split.vmappable and all(
                 s.vmappable for s in slots.values()):
             try:
@@ -262,9 +235,7 @@ def _looped(module: nn.Module, name: str, split: CallSplit, grad_outputs: dict[s
     names = list(params)
     leaves = [params[k] for k in names]
     out: dict[str, list[Tensor]] = {k: [] for k in names}
-    cpu_rng = torch.get_rng_state()
-    cuda = [leaf.device for leaf in leaves if leaf.device.type == "cuda"][:1]
-    cuda_rng = [torch.cuda.get_rng_state(d) for d in cuda]
+    rng = RngState([leaf.device for leaf in leaves if leaf.device.type == "cuda"][:1])
     for i in range(sl.start, sl.stop):
         a, k = split.one(i)
         result = module(*a, **k)
@@ -275,9 +246,7 @@ def _looped(module: nn.Module, name: str, split: CallSplit, grad_outputs: dict[s
             grads = torch.autograd.grad(total, leaves, allow_unused=True)
         for key, leaf, g in zip(names, leaves, grads, strict=True):
             out[key].append(torch.zeros_like(leaf) if g is None else g)
-    moved = not torch.equal(cpu_rng, torch.get_rng_state()) or any(
-        not torch.equal(s, torch.cuda.get_rng_state(d)) for d, s in zip(cuda, cuda_rng))
-    if moved:
+    if rng.moved():
         raise _random_error(name, module)
     return {k: torch.stack(v) if v else leaf.new_zeros((0, *leaf.shape))
             for (k, v), leaf in zip(out.items(), leaves, strict=True)}

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.fallback import AutocastState, CannotReplay, autocast_state, replay_call
+from gradtap._per_sample.fallback import CannotReplay, replay_call
 from gradtap._per_sample.layout import CallSplit, split_call
-from gradtap.capture import HookSet, made_since, mark_boundary, sequence_mark
+from gradtap.capture import AutocastState, HookSet, made_since, mark_boundary, sequence_mark
 from gradtap.record import flatten_tensors
 
 __all__ = ["MAX_OUTER_CALLS", "Frame", "candidates", "frames_of", "innermost_around",
@@ -59,7 +59,7 @@ class Frame:
         self.kwargs: dict[str, Any] | None = kwargs
         self.versions = [(t, t._version) for _, t in flatten_tensors((args, kwargs), "a")]
         self.start = sequence_mark()
-        self.autocast: AutocastState = autocast_state()
+        self.autocast = AutocastState.capture()
         self.grads: dict[str, Tensor] = {}
         self.keep = False
         self.settled = False

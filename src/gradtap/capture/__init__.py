@@ -16,7 +16,9 @@ they use these names:
 * :mod:`~gradtap.capture.engine`: :func:`current_backward`, :func:`at_end_of_backward`,
   :class:`OncePerBackward`;
 * :mod:`~gradtap.capture.replay`: :func:`replaying` a step for one listener (what others see
-  then is defined there), :func:`in_recomputation`;
+  then is defined there), :func:`in_recomputation`; and the replay kit, what a replayed call
+  or step needs besides its arguments: :class:`AutocastState` (of every device in
+  :data:`AUTOCAST_DEVICES`), :class:`RngState`, :func:`buffers_restored`;
 * :mod:`~gradtap.capture.saved`: :func:`graph_nodes` and :func:`saved_tensors`, to read
   forward tensors back from the graph for a report;
 * :class:`ScalerWatch` (``HookSet.grad_scaler``): the factor a ``GradScaler`` left on each
@@ -41,21 +43,32 @@ from gradtap.capture.hookset import HookSet
 from gradtap.capture.legacy import legacy_backward_grads
 from gradtap.capture.listener import Listener
 from gradtap.capture.naming import argument_tensors
-from gradtap.capture.replay import in_recomputation, replaying
+from gradtap.capture.replay import (
+    AUTOCAST_DEVICES,
+    AutocastState,
+    RngState,
+    buffers_restored,
+    in_recomputation,
+    replaying,
+)
 from gradtap.capture.saved import graph_nodes, saved_tensors
 from gradtap.capture.sessions import Distributed, Session, session
 from gradtap.capture.taps import Tap, tap
 
 __all__ = [
+    "AUTOCAST_DEVICES",
+    "AutocastState",
     "Distributed",
     "HookSet",
     "Listener",
     "OncePerBackward",
+    "RngState",
     "ScalerWatch",
     "Session",
     "Tap",
     "argument_tensors",
     "at_end_of_backward",
+    "buffers_restored",
     "check_scaler",
     "compiled_feature",
     "current_backward",
