@@ -14,9 +14,8 @@ from torch import Tensor, nn
 
 from gradtap._text import format_table
 from gradtap._types import Selector
-from gradtap.capture import buffers_restored, compiled_feature, legacy_backward_grads, tap
+from gradtap.capture import buffers_restored, compiled_feature, legacy_backward_grads, session, tap
 from gradtap.record import GradRecord, describe_row, flatten_tensors, meaning, short_meaning
-from gradtap.select import select_modules, unwrap_model
 
 __all__ = ["Explanation", "explain"]
 
@@ -154,7 +153,7 @@ def explain(
         >>> ex.legacy[("2", 0)]["parameter:weight"]
         '2 (transposed)'
     """
-    selected = select_modules(unwrap_model(model), select)
+    selected = session(model, "explain()").modules(select)
     saved_grads = {p: p.grad for p in model.parameters()}
     for p in saved_grads:
         p.grad = None  # backward would otherwise accumulate into the user's tensors in place

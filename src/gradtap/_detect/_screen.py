@@ -50,9 +50,9 @@ from gradtap.capture import (
     compiled_feature,
     in_recomputation,
     run_eagerly,
+    session,
 )
 from gradtap.record import flatten_tensors
-from gradtap.select import unwrap_model
 
 __all__ = ["RootCall", "Screen", "Suspect"]
 
@@ -122,7 +122,7 @@ class Screen:
         # A compiled model: the hooks go on its wrapper (outside compiled code), the names
         # come from the model it compiles.
         self.model = model
-        root = unwrap_model(model)
+        root = session(model).root
         self.calls: list[RootCall] = []  # this step's calls of the model, in call order
         self.on_backward_end: Any = None  # set by the detector: fn(list[RootCall])
         self.quiet_params = False  # an anomaly was reported this step: .grad holds its effects
