@@ -30,6 +30,7 @@ from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.scaler import SCALER_NAME, queue_amp
 from gradtap._monitor.sharded import Layouts, shard_job
 from gradtap._monitor.snapshots import Snapshots
+from gradtap._monitor.spikes import DERIVED_STATS, ZSCORE_BETA, ZScores, queue_clip_factors
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -158,7 +159,13 @@ class Monitor:
         self.local_grads = local_grads
         self.rank, self.world_size = distributed.world()
         # Known at construction (create the Monitor after init_process_group, as DDP needs).
-        self._reducer = StepReducer(self.stats, edges, reduce=distributed.is_distributed())
+        # The moments of each tensor; zscore is derived from the norm on the host.
+        moments = [st for st in self.stats if st not in DERIVED_STATS]
+        if "zscore" in self.stats and "norm" not in moments:
+            moments.append("norm")
+        self._zscores = None if "zscore" not in self.stats else ZScores(
+            ZSCORE_BETA if ewma is None else float(ewma))
+        self._reducer = StepReducer(moments, edges, reduce=distributed.is_distributed())
 
         wants_params = bool(set(self.kinds) & set(PARAM_KINDS)) or ewma is not None
         self._params: list[tuple[str, nn.Parameter]] = (
@@ -195,6 +202,7 @@ class Monitor:
 
         self._hooks = HookSet()
         self._hooks.add_cleanup(sess.attach().detach)
+        self._session = sess
         self._amp: ScalerWatch | None = sess.scaler(scaler, "Monitor")
         self._tap = None
         self._writer: RunWriter | None = None
@@ -490,6 +498,7 @@ class Monitor:
                                               counts)
         if self._ewma is not None:
             self._ewma.update(grads)
+        factors = queue_clip_factors(self._session, list(grads), copy)
         red.flush(copy)  # at most two collectives for every reduced statistic of the step
         copy.run()
 
@@ -501,11 +510,17 @@ class Monitor:
             columns = red.columns(count, fields)
             if job.kind == "update" and ratio is not None:
                 columns["ratio"] = ratio()
+            if job.kind == "param_grad" and self._zscores is not None:
+                columns["zscore"] = self._zscores(names, columns["norm"])
+                if "norm" not in self.stats:
+                    del columns["norm"]
             rows.add(job.kind, names, columns)
             if fields.hist is not None:
                 rows.add_hists(job.kind, names, fields.hist)
         if cosine is not None:
             rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
+        if factors is not None:
+            rows.add("param_grad", factors[0], {"clip_factor": factors[1]()})
         if amp is not None:
             rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
                                                    "nonfinite": amp[1]().reshape(1)})

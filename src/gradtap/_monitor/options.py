@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from torch import Tensor
 
 from gradtap import _tensorops as ops
+from gradtap._monitor.spikes import DERIVED_STATS
 from gradtap._types import is_int
 from gradtap.store import KIND_NAMES
 
@@ -26,8 +27,18 @@ def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | N
                   every: int, local_grads: bool, hist_bins: int | None, hist_scale: str,
                   hist_range: tuple[float, float] | None, hist_linthresh: float,
                   ) -> tuple[tuple[str, ...], tuple[str, ...], Tensor | None]:
-    """``(stats, kinds, histogram bin edges or None)``, or a ``ValueError`` for a bad option."""
-    stats = ops.check_stats(stats)
+    """``(stats, kinds, histogram bin edges or None)``, or a ``ValueError`` for a bad option.
+
+    ``stats`` may hold the stats the Monitor derives on the host (:data:`DERIVED_STATS`)
+    beside the moments of a tensor."""
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    valid = (*ops.STAT_NAMES, *DERIVED_STATS)
+    unknown = [s for s in stats if s not in valid]
+    if unknown:
+        raise ValueError(f"unknown stat name(s) {', '.join(map(repr, unknown))}; valid stats "
+                         f"are: {', '.join(valid)}")
+    if len(set(stats)) != len(stats):
+        raise ValueError(f"stats lists a name twice: {list(stats)}")
     kinds = _check_kinds(kinds)
     if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
         raise ValueError(f"ewma must be None or a factor beta with 0 <= beta < 1; got {ewma!r}")

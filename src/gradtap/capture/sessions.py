@@ -31,10 +31,11 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Literal, NamedTuple, TypeAlias
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gradtap._tensorops.sharded import is_sharded, world
 from gradtap._types import Selector
@@ -42,6 +43,10 @@ from gradtap.capture.amp import ScalerWatch, check_scaler
 from gradtap.select import clean_name, select_modules, select_parameters, unwrap_model
 
 __all__ = ["Distributed", "Session", "session"]
+
+
+#: What a consumer publishes to the others (see :meth:`Session.publish`).
+Source: TypeAlias = Callable[[], Mapping[str, Tensor]]
 
 
 class Distributed(NamedTuple):
@@ -63,6 +68,7 @@ class Session:
         self.root = root
         self.consumers = 0
         self._scalers: dict[int, tuple[torch.amp.GradScaler, ScalerWatch]] = {}
+        self._sources: dict[str, list[Source]] = {}
 
     # -- names and selection ---------------------------------------------------------------
 
@@ -100,6 +106,29 @@ class Session:
         if held is None:
             held = self._scalers[id(scaler)] = (scaler, ScalerWatch(scaler))
         return held[1]
+
+    # -- what consumers tell each other ---------------------------------------------------
+
+    def publish(self, topic: str, source: Source) -> Callable[[], None]:
+        """Offer ``source()`` (a mapping of clean parameter names to 0-dim tensors, read when
+        asked) under ``topic`` to the other consumers of the model; returns the function that
+        withdraws it. How a transform's spike rules tell a Monitor on the same model what
+        they did (topic ``"clip_factor"``) without either importing the other."""
+        self._sources.setdefault(topic, []).append(source)
+
+        def withdraw() -> None:
+            sources = self._sources.get(topic, [])
+            if source in sources:
+                sources.remove(source)
+
+        return withdraw
+
+    def published(self, topic: str) -> dict[str, Tensor]:
+        """What the sources under ``topic`` hold now, merged (a later source wins a name)."""
+        out: dict[str, Tensor] = {}
+        for source in self._sources.get(topic, ()):
+            out.update(source())
+        return out
 
     # -- lifetime --------------------------------------------------------------------------
 
