@@ -103,3 +103,30 @@ def test_clip_factor_is_what_the_spike_rule_on_the_same_model_did():
             got = got[(got.step == step) & (got.stat == "clip_factor")].set_index("name").value
             assert got.to_dict() == pytest.approx(want, rel=0, abs=0)
     assert min(want.values()) <= 1.0
+
+
+def test_the_report_names_the_first_layer_to_spike_in_backward_order(tmp_path):
+    from gradtap.report import build_report_data, render_html
+
+    model = _model()
+    gen = torch.Generator().manual_seed(5)
+    with gt.Monitor(model, stats=("norm", "zscore"), ewma=0.9, store=tmp_path / "run") as mon:
+        for step in range(12):
+            nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)),
+                                   torch.zeros(8, 2)).backward()
+            if step == 9:  # the spike starts in layer 2 and reaches layer 0 (z lower there)
+                model[2].weight.grad *= 40.0
+                model[0].weight.grad *= 8.0
+            mon.step()
+            model.zero_grad()
+        frame = mon.frame()
+    z9 = frame[(frame.step == 9) & (frame.stat == "zscore")].set_index("name").value
+    above = [n for n in reversed([n for n, _ in model.named_parameters()]) if z9[n] > 2.5]
+    assert "0.weight" in above and "2.weight" in above
+    data = build_report_data(tmp_path / "run")
+    spikes = [e for e in data.spikes if e["step"] == 9]
+    assert spikes and spikes[0]["name"] == above[0] == "2.weight"
+    assert spikes[0]["z"] == pytest.approx(z9["2.weight"]) and spikes[0]["count"] == len(above)
+    page = render_html(data)
+    assert 'id="spike-table"' in page and "first layer to spike" in page
+    assert "step 9: 2.weight spiked first" in page

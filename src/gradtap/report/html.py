@@ -66,6 +66,7 @@ def render_html(data: ReportData | Run | str | os.PathLike[str]) -> str:
         ("overview", "Overview", tables.overview(data)),
         ("metrics", "Training", _metrics(data)),
         ("norms", "Gradient norms", _norms(data)),
+        ("spikes", "Gradient spikes", tables.spikes(data)),
         ("heatmap", "Layers × steps", _heatmaps(data)),
         ("histograms", "Histograms", _histograms(data)),
         ("ewma", "EWMA bands", _ewma(data)),
@@ -196,13 +197,24 @@ def _norms(data: ReportData) -> str:
         pid = f"norms-{kind}"
         spikes = [(float(a["step"]), f"spike at step {a['step']} in {a['module_name']!r} "
                    f"({a['where']})") for a in data.anomalies if a.get("kind") == "spike"]
+        marks = []
+        if spikes:
+            marks.append("the spikes the detector reported")
+        if kind == "param_grad" and (data.spikes or data.clipped):
+            marks.append("the steps whose z-score crossed 2.5 (with the first layer to spike) "
+                         "and those a spike rule clipped")
+            spikes += [(float(e["step"]), f"step {e['step']}: {e['name']} spiked first "
+                        f"(z = {e['z']:.1f}; {e['count']} tensor(s) above z = 2.5)")
+                       for e in data.spikes]
+            spikes += [(float(step), f"step {step}: a spike rule clipped (smallest factor "
+                        f"{factor:.3g})") for step, factor in data.clipped.items()]
         chart = svg.line_chart(lines, plot_id=pid, title=f"L2 norm of {label} per step",
                                log_y=True, y_label="L2 norm (log)", events=spikes)
         out.append(f"<h3>{escape(label)}</h3>" + _figure(
             chart, _legend(pid, names),
             "L2 norm per step, log scale. Hover a name to highlight its line; red triangles "
-            "mark steps with NaN/Inf" + (", dashed orange lines the spikes the detector "
-                                         "reported." if spikes else ".")))
+            "mark steps with NaN/Inf" + (", dashed orange lines " + "; ".join(marks) + "."
+                                         if marks else ".")))
     return "".join(out) or _empty("No gradient norms were recorded (the Monitor's stats "
                                   "did not include 'norm').")
 

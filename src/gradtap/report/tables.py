@@ -148,6 +148,29 @@ def layer_table(data: ReportData) -> str:
             f"<tbody>{''.join(rows)}</tbody></table>")
 
 
+def spikes(data: ReportData) -> str:
+    """The gradient spikes the Monitor's z-scores show, each with the first layer to spike
+    (in backward order), and the steps a spike rule clipped."""
+    if not data.spikes and not data.clipped:
+        return ""
+    out = ""
+    if data.spikes:
+        rows = "".join(
+            f"<tr><td>{e['step']}</td><td><code>{escape(e['name'])}</code></td>"
+            f"<td>{e['z']:.2f}</td><td>{e['count']}</td>"
+            f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in data.spikes)
+        out += ("<p>Steps where a gradient norm's z-score against its own history exceeded "
+                "2.5, with the first tensor (in backward order) to cross it: where the spike "
+                'started.</p><table class="data" id="spike-table"><thead><tr><th>step</th>'
+                "<th>first layer to spike</th><th>z</th><th>tensors above 2.5</th>"
+                f"<th>smallest clip factor</th></tr></thead><tbody>{rows}</tbody></table>")
+    if data.clipped:
+        steps = ", ".join(f"{step} ({factor:.3g})" for step, factor in data.clipped.items())
+        out += (f"<p>A spike rule clipped at {len(data.clipped)} step(s) (smallest factor): "
+                f"{escape(steps)}.</p>")
+    return out
+
+
 def ewma_state(data: ReportData) -> str:
     """The Monitor's elementwise EWMA at the end of the run, under the EWMA section's bands."""
     if not data.ewma:
