@@ -25,7 +25,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any, Literal, cast, get_args
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +40,11 @@ from gradtap._per_sample.owners import (
     classify_call,
     describe,
     enclosing_modules,
-    resolve_owners,
     rows,
 )
-from gradtap._per_sample.results import STATS, results
+from gradtap._per_sample.results import results
 from gradtap._per_sample.sketch import Sketches, pair
+from gradtap._per_sample.spec import LossReduction, Quantity, Spec
 from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
@@ -66,17 +66,10 @@ from gradtap.capture import (
     in_recomputation,
     tap,
 )
-from gradtap.errors import GradtapError, SelectionError
+from gradtap.errors import GradtapError
 from gradtap.record import GradRecord, flatten_tensors
-from gradtap.select import select_module_parameters, unwrap_model
 
 __all__ = ["PerSample", "Quantity", "per_sample"]
-
-Quantity = Literal["grad", "norm", "variance", "second_moment", "snr"]
-LossReduction = Literal["mean", "sum"]
-_QUANTITIES: tuple[str, ...] = get_args(Quantity)
-
-
 
 class PerSample:
     """Per-sample gradients and statistics of one model; see :func:`per_sample`.
@@ -96,44 +89,10 @@ class PerSample:
         fallback: bool = True,
         own_grad: bool = False,
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-            raise ValueError(f"batch_dim must be a non-negative int; got {batch_dim!r}")
-        asked: tuple[str, ...] = ((quantities,) if isinstance(quantities, str)
-                                  else tuple(quantities))
-        unknown = [q for q in asked if q not in _QUANTITIES]
-        if unknown or not asked:
-            raise ValueError(
-                f"quantities must be a non-empty subset of {_QUANTITIES}; got {asked!r}"
-            )
-        self.loss_reduction = loss_reduction
-        self.batch_dim = batch_dim
-        self.quantities: tuple[Quantity, ...] = cast(tuple[Quantity, ...], asked)  # checked
-        self._want_grad = "grad" in quantities
-        self._want_norm = "norm" in quantities
-        self._want_stats = bool(STATS & set(quantities))
-        self._want_var = bool({"variance", "snr"} & set(quantities))
-
-        # Named as the user's model (no DDP or compile prefixes); a compiled model's taps go
-        # through its wrapper (they run eagerly).
-        compiled, model = model, unwrap_model(model)
-        params = select_module_parameters(model, select)
-        self._params = {n: p for n, p in params if p.requires_grad}
-        if not self._params:
-            raise SelectionError(
-                f"select={select!r} matches only parameters that do not require grad: "
-                f"{', '.join(n for n, _ in params)}"
-            )
-        self._fallback = fallback
-        self._owners = resolve_owners(model, self._params, batch_dim, fallback)
-        self._sketches = Sketches(self._params, self._owners)
-        self._use_count = {q: sum(q in o.direct.values() for o in self._owners.values())
-                           for q in self._params}
-        self._owners_of: dict[str, list[str]] = {}
-        for owner in self._owners.values():
-            for qual in owner.direct.values():
-                self._owners_of.setdefault(qual, []).append(owner.name)
+        self._spec = spec = Spec(model, select, loss_reduction, batch_dim, quantities, fallback)
+        self.loss_reduction = spec.loss_reduction
+        self.batch_dim = spec.batch_dim
+        self.quantities: tuple[Quantity, ...] = spec.quantities
         self._warned: set[tuple[str, str]] = set()
         self.own_grad = bool(own_grad)
         self._ownable = self._find_ownable() if own_grad else {}
@@ -143,29 +102,30 @@ class PerSample:
         self._queued = False
         self.batch_size: int | None = None
         self._reset()
-        owners = set(self._owners)
+        owners = set(spec.owners)
         # Hooks must not keep this object alive: a reference cycle would hold every result
         # (hundreds of MB of per-sample gradients) until the cyclic garbage collector runs.
         me = weakref.ref(self)
         self._hooks = HookSet()
+        # A compiled model's taps go through its wrapper (they run eagerly).
         with compiled_feature("per_sample"):
             self._tap = tap(
-                compiled,
+                model,
                 select=lambda name, _module: name in owners,
                 keep=("inputs",),
                 store=False,
                 listener=_Forward(me),
             )
         try:
-            for name, module in enclosing_modules(model, self._owners):
+            for name, module in enclosing_modules(spec.model, spec.owners):
                 self._hooks.module_calls(
                     module,
                     functools.partial(_call_kw, me, "_before", name, module),
                     functools.partial(_call, me, "_after", name),
                 )
             for name in self._ownable:
-                module = self._owners[name].module
-                entry = self._owners[name].entry
+                module = self._spec.owners[name].module
+                entry = self._spec.owners[name].entry
                 assert entry is not None
                 if entry.own_forward is not None:
                     if "forward" in vars(module):  # a forward set on the instance: leave it
@@ -179,7 +139,7 @@ class PerSample:
                 self._hooks.module_calls(module, before,
                                          functools.partial(_call, me, "_own_after", name),
                                          always=True)
-            for qual, p in self._params.items():
+            for qual, p in self._spec.params.items():
                 handle = self._hooks.gradient(p, functools.partial(_call, me, "_on_increment",
                                                                    qual))
                 if handle is not None:
@@ -190,19 +150,23 @@ class PerSample:
 
     # -- setup ------------------------------------------------------------------------------
 
+    @property
+    def _sketches(self) -> Sketches:
+        return self._spec.sketches
+
     def _find_ownable(self) -> dict[str, frozenset[str]]:
         """Owner name -> the parameters (relative names) its calls use detached, when
         ``own_grad``: every module that holds them has a rule (not a parametrization, not
         inside a module without a rule, whose replay would cover them)."""
-        ruleless = [o.name for o in self._owners.values() if o.entry is None]
+        ruleless = [o.name for o in self._spec.owners.values() if o.entry is None]
 
         def has_rule(name: str) -> bool:
-            owner = self._owners[name]
+            owner = self._spec.owners[name]
             return (owner.entry is not None and not owner.parametrized
                     and not any(r == "" or name.startswith(r + ".") for r in ruleless))
 
         ownable: dict[str, frozenset[str]] = {}
-        for name, owner in self._owners.items():
+        for name, owner in self._spec.owners.items():
             if not has_rule(name):
                 continue
             assert owner.entry is not None
@@ -213,7 +177,7 @@ class PerSample:
             else:
                 continue
             rels = {rel: q for rel, q in rels.items()
-                    if all(has_rule(o) for o in self._owners_of.get(q, ()))}
+                    if all(has_rule(o) for o in self._spec.owners_of.get(q, ()))}
             if rels:
                 ownable[name] = frozenset(rels)
         return ownable
@@ -228,7 +192,7 @@ class PerSample:
         self._failed: dict[str, str] = {}
         self._results: dict[str, object] | None = None
         self._stack: list[tuple[str, Frame | None]] = []
-        for owner in self._owners.values():
+        for owner in self._spec.owners.values():
             owner.calls = 0
             owner.seen = set()
         self._frames: list[Frame] = []
@@ -371,9 +335,9 @@ class PerSample:
         needed = {id(f) for q in self._flagged for frames in self._enclosing.get(q, ())
                   for f in frames}
         needed.update(id(f) for f in self._own_frames.values())
-        for q in self._params:
+        for q in self._spec.params:
             if q not in self._enclosing:  # no call of its modules: a read through .weight
-                needed.update(id(f) for f in innermost_around(self._owners_of.get(q, []),
+                needed.update(id(f) for f in innermost_around(self._spec.owners_of.get(q, []),
                                                               self._frames))
         kept = []
         for frame in self._frames:
@@ -391,7 +355,7 @@ class PerSample:
                     outputs: dict[str, Tensor]) -> None:
         if self._replaying:
             return
-        owner = self._owners[name]
+        owner = self._spec.owners[name]
         owner.calls += 1
         check_module(name, module, self.batch_dim, owner.entry is None)
         # The calls around this one (its own too, when it is one: a replay of it with every
@@ -421,9 +385,9 @@ class PerSample:
         # A parameter also held by an enclosing module without a rule (a tied decoder bias
         # held by the head and by its Linear) is covered by that module's own replay, which
         # sees every use inside its call: counting this call too would count it twice.
-        covered = {q for f in frames if f.module is not module and f.name in self._owners
-                   and self._owners[f.name].entry is None
-                   for q in self._owners[f.name].direct.values()}
+        covered = {q for f in frames if f.module is not module and f.name in self._spec.owners
+                   and self._spec.owners[f.name].entry is None
+                   for q in self._spec.owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
         reason = classify_call(owner, inputs, outputs, self.batch_size, self.batch_dim,
@@ -458,14 +422,14 @@ class PerSample:
         self._queue_end()
         self._autograd_seen.add(qual)
         with torch.no_grad():
-            if qual in self._sketches and self._step_pg.get(qual) is not grad:
-                grad = self._sketches.project(qual, grad)
+            if qual in self._spec.sketches and self._step_pg.get(qual) is not grad:
+                grad = self._spec.sketches.project(qual, grad)
             self._add_increment(qual, grad)  # twice: a reentrant checkpoint
 
     def _add_increment(self, qual: str, grad: Tensor) -> None:
         inc = self._increments.get(qual)
         if inc is not None:
-            inc, grad = pair(self._sketches, qual, inc, grad)
+            inc, grad = pair(self._spec.sketches, qual, inc, grad)
             grad = inc + grad
         self._increments[qual] = grad
 
@@ -476,7 +440,7 @@ class PerSample:
     def _on_record(self, rec: GradRecord) -> None:
         if self._replaying:
             return
-        owner = self._owners[rec.module_name]
+        owner = self._spec.owners[rec.module_name]
         self._queue_end()
         if self.batch_size == 0:
             return  # an empty batch: nothing to split (_end_of_backward)
@@ -495,7 +459,7 @@ class PerSample:
             # MultiheadAttention's out_proj) has them used by this call: cover them here
             # (pieces rules and the fallback see the whole subtree).
             for rel, (qual, sub) in owner.nested.items():
-                if (self._owners[sub].calls == 0 and rec.param_grads.get(rel) is not None
+                if (self._spec.owners[sub].calls == 0 and rec.param_grads.get(rel) is not None
                         and qual not in self._flagged):
                     names[rel] = qual
         if not names:
@@ -513,9 +477,8 @@ class PerSample:
         if not names:
             return
         self._results = None
-        scale = float(self.batch_size) if self.loss_reduction == "mean" else 1.0  # type: ignore[arg-type]
-        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
-                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
+        scale = self._spec.scale(self.batch_size)  # type: ignore[arg-type]
+        materialize = self._spec.materialize(owner, names)
         self._replaying = True  # a fallback's own backward must not count as an increment
         try:
             with torch.no_grad():
@@ -557,11 +520,9 @@ class PerSample:
             return
         n = self.batch_size
         assert n is not None
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0
+        scale, c = self._spec.scale(n), self._spec.share(n)
         self._results = None
-        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
-                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
+        materialize = self._spec.materialize(owner, names)
         self._replaying = True
         try:
             with torch.no_grad():
@@ -585,13 +546,13 @@ class PerSample:
                     grads = compute.grads()
                     totals = _sums(compute, grads)
                     self._add_grads(names, grads, {
-                        rel: self._sketches.project(names[rel], t) for rel, t in totals.items()})
+                        rel: self._spec.sketches.project(names[rel], t) for rel, t in totals.items()})
                 else:
                     totals = compute.total()
                 shares = {}
                 for rel, g in totals.items():
                     q = names[rel]
-                    g = (g * c).to(self._params[q].dtype)
+                    g = (g * c).to(self._spec.params[q].dtype)
                     shares[q] = g
                     self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
                     self._add_increment(q, g)
@@ -613,12 +574,12 @@ class PerSample:
         out: dict[str, Tensor] = {}
         if isinstance(compute, RuleCompute) and compute.rule.total_sketch is not None:
             for rel in grads:
-                if names[rel] in self._sketches:
+                if names[rel] in self._spec.sketches:
                     out.update(compute.sketch(frozenset({rel}),
-                                              self._sketches.matrix(names[rel])))
+                                              self._spec.sketches.matrix(names[rel])))
         rest = {rel: g for rel, g in grads.items() if rel not in out}
         if rest:
-            out.update((rel, self._sketches.project(names[rel], t))
+            out.update((rel, self._spec.sketches.project(names[rel], t))
                        for rel, t in _sums(compute, rest).items() if rel in rest)
         return out
 
@@ -636,17 +597,17 @@ class PerSample:
 
     def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
                      scale: float, shares: dict[str, Tensor] | None = None) -> None:
-        if self._want_norm:
+        if self._spec.want_norm:
             for rel, v in compute.norm_sq().items():
                 self._step_norm_sq[names[rel]] = v
-        if self._want_stats:
+        if self._spec.want_stats:
             for rel, v in compute.sum_sq().items():
                 self._step_sum_sq[names[rel]] = v
         for rel, qual in names.items():
             g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
             if g is not None:
                 self._step_pg[qual] = g
-                if self._want_var:
+                if self._spec.want_var:
                     self._step_total[qual] = g * scale
 
     # -- end of backward: check, replay, merge ------------------------------------------------
@@ -655,7 +616,7 @@ class PerSample:
         """Add this backward's owned shares to ``.grad`` (as autograd accumulates)."""
         with torch.no_grad():
             for q, g in self._own_grad.items():
-                p = self._params[q]
+                p = self._spec.params[q]
                 if p.grad is None:
                     p.grad = g
                 else:
@@ -667,7 +628,7 @@ class PerSample:
         self._write_own()
         try:
             if self.batch_size == 0:  # an empty batch: [0, *shape] for every parameter
-                self._step_grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._params.items()}
+                self._step_grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._spec.params.items()}
             elif self.batch_size is not None and self._increments:
                 late = self._check_sums()
                 bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
@@ -691,8 +652,7 @@ class PerSample:
 
     def _check_sums(self) -> dict[str, tuple[str, str]]:
         """Parameters whose per-sample gradients do not reduce to their ``.grad`` increment."""
-        n = self.batch_size
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
+        c = self._spec.share(self.batch_size)  # type: ignore[arg-type]
         touched = (set(self._step_grad) | set(self._step_pg) | set(self._increments)
                    | set(self._step_norm_sq) | set(self._step_sum_sq))
         # A parameter whose every use this backward was owned has .grad increments that are
@@ -704,25 +664,25 @@ class PerSample:
                      and q not in self._flagged and q not in self._late]
             if grads:
                 sums = [self._step_sum[q] if q in self._step_sum
-                        else self._sketches.project(q, self._step_grad[q].sum(0)) for q in grads]
+                        else self._spec.sketches.project(q, self._step_grad[q].sum(0)) for q in grads]
                 sums = list(torch._foreach_mul(sums, c))
                 for q, a in zip(grads, sums, strict=True):
                     inc = self._increments.get(q)
                     a, inc = (a, torch.zeros_like(a)) if inc is None else pair(
-                        self._sketches, q, a, inc)
+                        self._spec.sketches, q, a, inc)
                     rows[q] = (a, inc, self._step_grad[q])
             for q in touched - set(grads) - set(self._flagged) - set(self._late):
                 pg = self._step_pg.get(q)
                 inc = self._increments.get(q)
                 if pg is None:
-                    pg = torch.zeros_like(self._params[q] if inc is None else inc)
+                    pg = torch.zeros_like(self._spec.params[q] if inc is None else inc)
                 pg, inc = (pg, torch.zeros_like(pg)) if inc is None else pair(
-                    self._sketches, q, pg, inc)
+                    self._spec.sketches, q, pg, inc)
                 rows[q] = (pg, inc, None)
-        return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
+        return {q: (", ".join(repr(o) for o in self._spec.owners_of.get(q, ())) or "?",
                     "its per-sample gradients do not add up to its gradient in this backward "
                     "(is it used outside the calls of the modules that hold it?)")
-                for q in mismatches(rows, self._params, c, self._largest)}
+                for q in mismatches(rows, self._spec.params, c, self._largest)}
 
     def _largest(self) -> float:
         """The largest gradient norm of this backward, over every selected parameter (of the
@@ -741,16 +701,15 @@ class PerSample:
         call of a module holding it was seen (a use outside them)."""
         if qual in self._enclosing:
             return self._enclosing[qual]
-        around = innermost_around(self._owners_of.get(qual, []), self._frames)
+        around = innermost_around(self._spec.owners_of.get(qual, []), self._frames)
         return [f.chain for f in around] or [(f,) for f in self._frames if f.outer]
 
     def _replay(self, bad: dict[str, tuple[str, str]]) -> None:
         """Per-sample gradients of ``bad`` from replays of enclosing calls, innermost first."""
         n = self.batch_size
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
-        scale = float(n) if self.loss_reduction == "mean" else 1.0  # type: ignore[arg-type]
-        todo = {q: candidates(self._uses(q)) if self._fallback else [] for q in bad}
-        tried: dict[str, list[str]] = {q: [] if self._fallback else ["fallback=False"]
+        c, scale = self._spec.share(n), self._spec.scale(n)  # type: ignore[arg-type]
+        todo = {q: candidates(self._uses(q)) if self._spec.fallback else [] for q in bad}
+        tried: dict[str, list[str]] = {q: [] if self._spec.fallback else ["fallback=False"]
                                        for q in bad}
         done: dict[str, dict[str, str]] = {}  # replayed call -> {module: reason}
         while todo:
@@ -771,9 +730,9 @@ class PerSample:
                         tried[q].append(f"{where}: {err}")
                     continue
                 with torch.no_grad():
-                    rows = {q: (*pair(self._sketches, q, result[q].sum(0) * c,
+                    rows = {q: (*pair(self._spec.sketches, q, result[q].sum(0) * c,
                                       self._increments[q]), result[q]) for q in quals}
-                wrong = mismatches(rows, self._params, c, self._largest)
+                wrong = mismatches(rows, self._spec.params, c, self._largest)
                 for q in quals:
                     if q in wrong:
                         tried[q].append(f"{where}: its replay does not add up to the gradient "
@@ -796,7 +755,7 @@ class PerSample:
                        scale: float) -> dict[str, Tensor]:
         self._replaying = True  # the replay's own hooks and backward are not new uses
         try:
-            return replay_frames(frames, {q: self._params[q] for q in quals}, self.batch_dim,
+            return replay_frames(frames, {q: self._spec.params[q] for q in quals}, self.batch_dim,
                                  self.batch_size, scale)  # type: ignore[arg-type]
         finally:
             self._replaying = False
@@ -828,7 +787,7 @@ class PerSample:
     @property
     def names(self) -> list[str]:
         """Qualified names of the selected parameters (the keys of every result dict)."""
-        return list(self._params)
+        return list(self._spec.params)
 
     @property
     def grad(self) -> dict[str, Tensor]:
@@ -893,7 +852,7 @@ class PerSample:
                 "since the start or the last ps.clear(), after their norms/statistics were "
                 "already reduced; call ps.clear() before each forward, or add 'grad' to quantities"
             )
-        return results(self._params, n, self.quantities, self._grad, self._norm_sq,
+        return results(self._spec.params, n, self.quantities, self._grad, self._norm_sq,
                        self._sum_sq, self._total)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -920,7 +879,7 @@ class PerSample:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
+        return (f"<PerSample {len(self._spec.params)} parameters in {len(self._spec.owners)} modules, "
                 f"quantities={self.quantities}>")
 
 
