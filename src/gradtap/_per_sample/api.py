@@ -22,15 +22,17 @@ reduce to that backward's increment of its ``.grad``; a parameter that fails is 
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.compute import Compute, PiecesCompute, RuleCompute, compute_for
+from gradtap._per_sample.accumulate import Step, Totals
+from gradtap._per_sample.check import check_sums, sums
+from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
 from gradtap._per_sample.layout import sample_count
 from gradtap._per_sample.owners import (
@@ -42,18 +44,13 @@ from gradtap._per_sample.owners import (
     enclosing_modules,
     rows,
 )
-from gradtap._per_sample.results import results
-from gradtap._per_sample.sketch import Sketches, pair
+from gradtap._per_sample.replays import Replays
+from gradtap._per_sample.sketch import Sketches
 from gradtap._per_sample.spec import LossReduction, Quantity, Spec
 from gradtap._per_sample.units import (
     MAX_OUTER_CALLS,
     Frame,
-    candidates,
-    frames_of,
     innermost_around,
-    largest_norm,
-    mismatches,
-    replay_frames,
     watch_outputs,
 )
 from gradtap._types import Selector
@@ -93,7 +90,7 @@ class PerSample:
         self.loss_reduction = spec.loss_reduction
         self.batch_dim = spec.batch_dim
         self.quantities: tuple[Quantity, ...] = spec.quantities
-        self._warned: set[tuple[str, str]] = set()
+        self._replays = Replays(spec)
         self.own_grad = bool(own_grad)
         self._ownable = self._find_ownable() if own_grad else {}
         self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
@@ -184,13 +181,7 @@ class PerSample:
 
     def _reset(self) -> None:
         self.batch_size = None
-        self._grad: dict[str, Tensor] = {}
-        self._norm_sq: dict[str, Tensor] = {}
-        self._sum_sq: dict[str, Tensor] = {}
-        self._total: dict[str, Tensor] = {}
-        self._problems: list[str] = []
-        self._failed: dict[str, str] = {}
-        self._results: dict[str, object] | None = None
+        self._totals = Totals(self._spec)
         self._stack: list[tuple[str, Frame | None]] = []
         for owner in self._spec.owners.values():
             owner.calls = 0
@@ -222,19 +213,16 @@ class PerSample:
         self._own_grad: dict[str, Tensor] = {}  # own_grad: what this backward adds to .grad
         self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
         self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
-        self._step_grad: dict[str, Tensor] = {}
-        # sum over samples of _step_grad, times its projection where the check is sketched
-        self._step_sum: dict[str, Tensor] = {}
-        self._step_norm_sq: dict[str, Tensor] = {}
-        self._step_sum_sq: dict[str, Tensor] = {}
-        self._step_total: dict[str, Tensor] = {}
-        self._step_pg: dict[str, Tensor] = {}  # the calls' own contributions (not materialized)
-        # What this backward adds to each .grad; where the check is sketched, its projection
-        # unless it is the very tensor kept as a call's contribution (_step_pg): keeping no
-        # reference to a wide gradient lets autograd move it into .grad without a copy.
-        self._increments: dict[str, Tensor] = {}
-        self._largest_norm: float | None = None
-        self._late: dict[str, tuple[str, str]] = {}  # found in backward: qual -> (module, why)
+        self._step = Step(self._spec)
+
+    @contextmanager
+    def _replay(self) -> Iterator[None]:
+        """per_sample's own computations run: their hooks and backward are not new uses."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     # -- forward side -----------------------------------------------------------------------
 
@@ -421,21 +409,7 @@ class PerSample:
             return
         self._queue_end()
         self._autograd_seen.add(qual)
-        with torch.no_grad():
-            if qual in self._spec.sketches and self._step_pg.get(qual) is not grad:
-                grad = self._spec.sketches.project(qual, grad)
-            self._add_increment(qual, grad)  # twice: a reentrant checkpoint
-
-    def _add_increment(self, qual: str, grad: Tensor) -> None:
-        inc = self._increments.get(qual)
-        if inc is not None:
-            inc, grad = pair(self._spec.sketches, qual, inc, grad)
-            grad = inc + grad
-        self._increments[qual] = grad
-
-    def _mark_late(self, quals: Iterable[str], module: str, reason: str) -> None:
-        for q in quals:
-            self._late.setdefault(q, (repr(module), reason))
+        self._step.increment(qual, grad)
 
     def _on_record(self, rec: GradRecord) -> None:
         if self._replaying:
@@ -464,41 +438,11 @@ class PerSample:
                     names[rel] = qual
         if not names:
             return
-        if all(g is None for g in rec.grad_outputs.values()):
-            if any(rec.param_grads.get(rel) is not None for rel in names):
-                self._mark_late(names.values(), rec.module_name,
-                                "its output gradient was not recorded (its output modified in "
-                                "place afterwards?)")
-            return
-        if rec.notes:
-            self._mark_late(names.values(), rec.module_name, "; ".join(rec.notes))
-            return
-        names = {rel: q for rel, q in names.items() if q not in self._late}
-        if not names:
-            return
-        self._results = None
-        scale = self._spec.scale(self.batch_size)  # type: ignore[arg-type]
-        materialize = self._spec.materialize(owner, names)
-        self._replaying = True  # a fallback's own backward must not count as an increment
-        try:
-            with torch.no_grad():
-                frame = self._own_frames.get((rec.module_name, rec.call))
-                call = (None if frame is None or frame.changed() or frame.kwargs is None
-                        else (cast(tuple, frame.args), frame.kwargs))
-                compute = compute_for(owner, rec, scale, frozenset(names), materialize,
-                                      self.batch_size, self.batch_dim,  # type: ignore[arg-type]
-                                      call)
-                if materialize:
-                    grads = compute.grads()
-                    self._add_grads(names, grads, self._checked_sums(compute, grads, names))
-                else:
-                    self._add_reduced(names, compute, rec, scale)
-        except CannotReplay as err:
-            self._mark_late(names.values(), rec.module_name, str(err))
-            return
-        finally:
-            self._replaying = False
-        owner.seen.update(names)
+        frame = self._own_frames.get((rec.module_name, rec.call))
+        call = (None if frame is None or frame.changed() or frame.kwargs is None
+                else (cast(tuple, frame.args), frame.kwargs))
+        with self._replay():  # a fallback's own backward must not count as an increment
+            self._step.add_call(owner, rec, names, self.batch_size, call)  # type: ignore[arg-type]
 
     def _own_record(self, owner: Owner, rec: GradRecord, own: object) -> None:
         """A call whose parameters were used detached: its per-sample results, and its share
@@ -521,7 +465,6 @@ class PerSample:
         n = self.batch_size
         assert n is not None
         scale, c = self._spec.scale(n), self._spec.share(n)
-        self._results = None
         materialize = self._spec.materialize(owner, names)
         self._replaying = True
         try:
@@ -544,8 +487,8 @@ class PerSample:
                                           n, self.batch_dim)
                 if materialize:
                     grads = compute.grads()
-                    totals = _sums(compute, grads)
-                    self._add_grads(names, grads, {
+                    totals = sums(compute, grads)
+                    self._step.add_grads(names, grads, {
                         rel: self._spec.sketches.project(names[rel], t) for rel, t in totals.items()})
                 else:
                     totals = compute.total()
@@ -555,9 +498,9 @@ class PerSample:
                     g = (g * c).to(self._spec.params[q].dtype)
                     shares[q] = g
                     self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
-                    self._add_increment(q, g)
+                    self._step.add_increment(q, g)
                 if not materialize:
-                    self._add_reduced(names, compute, rec, scale, shares)
+                    self._step.add_reduced(names, compute, rec, scale, shares)
         except CannotReplay as err:
             self._own_lost.update({q: f"{rec.module_name!r}: {err}" for q in names.values()})
             return
@@ -566,49 +509,6 @@ class PerSample:
             if isinstance(own, _OwnCall):
                 own.release()
         owner.seen.update(names)
-
-    def _checked_sums(self, compute: Compute, grads: dict[str, Tensor],
-                      names: dict[str, str]) -> dict[str, Tensor]:
-        """What the end-of-backward check compares of one call: ``sum_n g_n`` per name, times
-        its projection where the check is sketched (``_per_sample.sketch``)."""
-        out: dict[str, Tensor] = {}
-        if isinstance(compute, RuleCompute) and compute.rule.total_sketch is not None:
-            for rel in grads:
-                if names[rel] in self._spec.sketches:
-                    out.update(compute.sketch(frozenset({rel}),
-                                              self._spec.sketches.matrix(names[rel])))
-        rest = {rel: g for rel, g in grads.items() if rel not in out}
-        if rest:
-            out.update((rel, self._spec.sketches.project(names[rel], t))
-                       for rel, t in _sums(compute, rest).items() if rel in rest)
-        return out
-
-    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
-                   sums: dict[str, Tensor]) -> None:
-        """Add one call's per-sample gradients, and their sums over the samples (for the
-        check at the end of backward; projected where it is sketched)."""
-        for rel, t in sums.items():
-            qual = names[rel]
-            self._step_sum[qual] = t if qual not in self._step_sum else self._step_sum[qual] + t
-        for rel, g in grads.items():
-            qual = names[rel]
-            step = self._step_grad
-            step[qual] = g if qual not in step else step[qual] + g
-
-    def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
-                     scale: float, shares: dict[str, Tensor] | None = None) -> None:
-        if self._spec.want_norm:
-            for rel, v in compute.norm_sq().items():
-                self._step_norm_sq[names[rel]] = v
-        if self._spec.want_stats:
-            for rel, v in compute.sum_sq().items():
-                self._step_sum_sq[names[rel]] = v
-        for rel, qual in names.items():
-            g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
-            if g is not None:
-                self._step_pg[qual] = g
-                if self._spec.want_var:
-                    self._step_total[qual] = g * scale
 
     # -- end of backward: check, replay, merge ------------------------------------------------
 
@@ -624,20 +524,25 @@ class PerSample:
 
     def _end_of_backward(self) -> None:
         self._queued = False
+        step, n = self._step, self.batch_size
         lost = dict(self._own_lost)
         self._write_own()
         try:
-            if self.batch_size == 0:  # an empty batch: [0, *shape] for every parameter
-                self._step_grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._spec.params.items()}
-            elif self.batch_size is not None and self._increments:
-                late = self._check_sums()
-                bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
-                       if q in self._increments}
-                for q in {**self._flagged, **self._late, **late}:
-                    self._discard(q)
+            if n == 0:  # an empty batch: [0, *shape] for every parameter
+                step.grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._spec.params.items()}
+            elif n is not None and step.increments:
+                # A parameter whose every use this backward was owned has .grad increments
+                # that are the sums of its per-sample gradients by construction.
+                late = check_sums(self._spec, step, n, set(self._own_grad) - self._autograd_seen,
+                                  set(self._flagged) | set(step.late))
+                suspects = {**self._flagged, **step.late, **late}
+                bad = {q: why for q, why in suspects.items() if q in step.increments}
+                for q in suspects:
+                    step.discard(q)
                 if bad:
-                    self._replay(bad)
-            self._merge()
+                    with self._replay():
+                        self._replays.run(bad, n, step, self._totals, self._uses)
+            self._totals.merge(step)
         finally:
             self._new_backward()
             for frame in self._frames:
@@ -650,52 +555,6 @@ class PerSample:
                 + " could not be computed from their calls, so their .grad misses those "
                 "calls' share; use own_grad=False for this model")
 
-    def _check_sums(self) -> dict[str, tuple[str, str]]:
-        """Parameters whose per-sample gradients do not reduce to their ``.grad`` increment."""
-        c = self._spec.share(self.batch_size)  # type: ignore[arg-type]
-        touched = (set(self._step_grad) | set(self._step_pg) | set(self._increments)
-                   | set(self._step_norm_sq) | set(self._step_sum_sq))
-        # A parameter whose every use this backward was owned has .grad increments that are
-        # the sums of its per-sample gradients by construction: nothing to check.
-        touched -= set(self._own_grad) - self._autograd_seen
-        rows: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
-        with torch.no_grad():
-            grads = [q for q in touched if q in self._step_grad
-                     and q not in self._flagged and q not in self._late]
-            if grads:
-                sums = [self._step_sum[q] if q in self._step_sum
-                        else self._spec.sketches.project(q, self._step_grad[q].sum(0)) for q in grads]
-                sums = list(torch._foreach_mul(sums, c))
-                for q, a in zip(grads, sums, strict=True):
-                    inc = self._increments.get(q)
-                    a, inc = (a, torch.zeros_like(a)) if inc is None else pair(
-                        self._spec.sketches, q, a, inc)
-                    rows[q] = (a, inc, self._step_grad[q])
-            for q in touched - set(grads) - set(self._flagged) - set(self._late):
-                pg = self._step_pg.get(q)
-                inc = self._increments.get(q)
-                if pg is None:
-                    pg = torch.zeros_like(self._spec.params[q] if inc is None else inc)
-                pg, inc = (pg, torch.zeros_like(pg)) if inc is None else pair(
-                    self._spec.sketches, q, pg, inc)
-                rows[q] = (pg, inc, None)
-        return {q: (", ".join(repr(o) for o in self._spec.owners_of.get(q, ())) or "?",
-                    "its per-sample gradients do not add up to its gradient in this backward "
-                    "(is it used outside the calls of the modules that hold it?)")
-                for q in mismatches(rows, self._spec.params, c, self._largest)}
-
-    def _largest(self) -> float:
-        """The largest gradient norm of this backward, over every selected parameter (of the
-        projection, whose expected square is the norm's, where the check is sketched)."""
-        if self._largest_norm is None:
-            self._largest_norm = largest_norm(list(self._increments.values()))
-        return self._largest_norm
-
-    def _discard(self, qual: str) -> None:
-        for step in (self._step_grad, self._step_sum, self._step_norm_sq, self._step_sum_sq,
-                     self._step_total, self._step_pg):
-            step.pop(qual, None)
-
     def _uses(self, qual: str) -> list[tuple[Frame, ...]]:
         """The enclosing calls of each call that used ``qual``; the model's own calls when no
         call of a module holding it was seen (a use outside them)."""
@@ -704,84 +563,6 @@ class PerSample:
         around = innermost_around(self._spec.owners_of.get(qual, []), self._frames)
         return [f.chain for f in around] or [(f,) for f in self._frames if f.outer]
 
-    def _replay(self, bad: dict[str, tuple[str, str]]) -> None:
-        """Per-sample gradients of ``bad`` from replays of enclosing calls, innermost first."""
-        n = self.batch_size
-        c, scale = self._spec.share(n), self._spec.scale(n)  # type: ignore[arg-type]
-        todo = {q: candidates(self._uses(q)) if self._spec.fallback else [] for q in bad}
-        tried: dict[str, list[str]] = {q: [] if self._spec.fallback else ["fallback=False"]
-                                       for q in bad}
-        done: dict[str, dict[str, str]] = {}  # replayed call -> {module: reason}
-        while todo:
-            groups: dict[str, list[str]] = {}
-            for q, cands in list(todo.items()):
-                if not cands:
-                    self._fail(q, bad[q], tried[q])
-                    del todo[q]
-                    continue
-                groups.setdefault(cands.pop(0), []).append(q)
-            for unit, quals in groups.items():
-                frames = frames_of(unit, [calls for q in quals for calls in self._uses(q)])
-                where = describe(unit, frames[0].module)
-                try:
-                    result = self._replay_frames(frames, quals, scale)
-                except CannotReplay as err:
-                    for q in quals:
-                        tried[q].append(f"{where}: {err}")
-                    continue
-                with torch.no_grad():
-                    rows = {q: (*pair(self._spec.sketches, q, result[q].sum(0) * c,
-                                      self._increments[q]), result[q]) for q in quals}
-                wrong = mismatches(rows, self._spec.params, c, self._largest)
-                for q in quals:
-                    if q in wrong:
-                        tried[q].append(f"{where}: its replay does not add up to the gradient "
-                                        "(a use outside that call?)")
-                        continue
-                    self._step_grad[q] = result[q]
-                    del todo[q]
-                    done.setdefault(where, {}).setdefault(*bad[q])
-        for where, problems in done.items():
-            fresh = {m: why for m, why in problems.items() if (m, where) not in self._warned}
-            if fresh:
-                self._warned.update((m, where) for m in fresh)
-                listed = "; ".join(f"{m}: {why}" for m, why in fresh.items())
-                warnings.warn(f"gradtap.per_sample: per-sample gradients of the parameters of "
-                              f"{len(fresh)} module(s) come from a torch.func replay of {where} "
-                              f"(a forward and backward of it per step), because no rule can "
-                              f"split them: {listed}", stacklevel=2)
-
-    def _replay_frames(self, frames: list[Frame], quals: list[str],
-                       scale: float) -> dict[str, Tensor]:
-        self._replaying = True  # the replay's own hooks and backward are not new uses
-        try:
-            return replay_frames(frames, {q: self._spec.params[q] for q in quals}, self.batch_dim,
-                                 self.batch_size, scale)  # type: ignore[arg-type]
-        finally:
-            self._replaying = False
-
-    def _fail(self, qual: str, problem: tuple[str, str], tried: list[str]) -> None:
-        module_name, reason = problem
-        attempts = "; ".join(tried) if tried else "no call around it was recorded"
-        self._failed[qual] = (
-            f"{qual} (module {module_name}: {reason}), and no enclosing call could be replayed "
-            f"({attempts})"
-        )
-
-    def _merge(self) -> None:
-        """Add this backward's results to those of earlier backwards since the last clear."""
-        for q, g in self._step_grad.items():
-            if q in self._norm_sq or q in self._sum_sq:
-                self._problems.append(q)
-            self._grad[q] = g if q not in self._grad else self._grad[q] + g
-        for step, total in ((self._step_norm_sq, self._norm_sq), (self._step_sum_sq, self._sum_sq)):
-            for q, v in step.items():
-                if q in total or q in self._grad:
-                    self._problems.append(q)
-                total[q] = v
-        self._total.update(self._step_total)
-        if self._step_grad or self._step_norm_sq or self._step_sum_sq:
-            self._results = None
     # -- results ----------------------------------------------------------------------------
 
     @property
@@ -826,34 +607,7 @@ class PerSample:
                 f"per_sample: {key!r} was not requested; pass quantities=(..., {quantity!r}) "
                 f"(requested: {', '.join(self.quantities)})"
             )
-        if self._results is None:
-            self._results = self._finish()
-        return self._results[key]
-
-    def _finish(self) -> dict[str, object]:
-        n = self.batch_size
-        if self._failed:
-            raise GradtapError(
-                "per_sample: no per-sample gradients could be computed for "
-                + "; ".join(self._failed.values())
-                + ". Leave these parameters out with select=, or make the forward one a replay "
-                "can repeat (eval mode, arguments not modified in place)"
-            )
-        if n is None or not (self._grad or self._norm_sq or self._sum_sq or self._total):
-            raise GradtapError(
-                "per_sample: no per-sample gradient was computed yet; read the results after "
-                "a forward and backward pass inside the `with gt.per_sample(...)` block"
-            )
-        if self._problems:
-            shared = sorted({q for q in self._problems})
-            raise GradtapError(
-                "per_sample: the parameters "
-                f"{', '.join(shared)} got per-sample gradients from more than one backward pass "
-                "since the start or the last ps.clear(), after their norms/statistics were "
-                "already reduced; call ps.clear() before each forward, or add 'grad' to quantities"
-            )
-        return results(self._spec.params, n, self.quantities, self._grad, self._norm_sq,
-                       self._sum_sq, self._total)
+        return self._totals.results(self.batch_size)[key]
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -881,15 +635,6 @@ class PerSample:
     def __repr__(self) -> str:
         return (f"<PerSample {len(self._spec.params)} parameters in {len(self._spec.owners)} modules, "
                 f"quantities={self.quantities}>")
-
-
-def _sums(compute: Compute, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``sum_n g_n`` of one call's per-sample gradients ``grads``: from the rule's batch
-    gradient where that costs less than a pass over them (Linear without sequence dims,
-    Embedding), else summed."""
-    if isinstance(compute, RuleCompute) and compute.total_is_cheap(grads):
-        return compute.total()
-    return {rel: g.sum(0) for rel, g in grads.items()}
 
 
 def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:
