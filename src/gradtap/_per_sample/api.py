@@ -114,7 +114,7 @@ class PerSample:
                 functools.partial(_call, me, "_before", name, module),
                 functools.partial(_call, me, "_after", name),
             )
-        for name, module, forward in self._own.modules():
+        for name, module, forward in self._own.claim():
             if forward is not None:
                 self._own.replace_forward(module, functools.partial(_own_forward, me, name,
                                                                     module, forward))

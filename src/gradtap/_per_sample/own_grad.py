@@ -15,7 +15,8 @@ of the backward (:meth:`OwnGrad.write`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -36,6 +37,10 @@ __all__ = ["OwnGrad", "find_ownable", "lost_error"]
 
 #: A rule's own forward: ``(module, args, kwargs, call) -> output``, ``None`` to decline.
 OwnForward = Callable[[nn.Module, tuple, dict, OwnCall], Any]
+
+# Module -> the OwnGrad whose hooks may own its calls: one at a time, or a second one would
+# detach the parameters the first put back, and both would add the module's share to .grad.
+_CLAIMS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OwnGrad]] = weakref.WeakKeyDictionary()
 
 
 def find_ownable(spec: Spec) -> dict[str, frozenset[str]]:
@@ -78,6 +83,7 @@ class OwnGrad:
         self.ownable = find_ownable(spec) if enabled else {}
         self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
         self._forwards: list[nn.Module] = []  # modules whose instance forward is a rule's
+        self._claimed: list[nn.Module] = []  # modules in _CLAIMS for this one
         self.clear()
 
     # -- lifetimes --------------------------------------------------------------------------
@@ -101,16 +107,36 @@ class OwnGrad:
 
     # -- installing -------------------------------------------------------------------------
 
-    def modules(self) -> Iterator[tuple[str, nn.Module, OwnForward | None]]:
-        """The modules whose calls may be owned, with their rule's own forward; a module
-        whose ``forward`` is set on the instance already is left alone."""
+    def claim(self) -> list[tuple[str, nn.Module, OwnForward | None]]:
+        """The modules whose calls may be owned, with their rule's own forward, claimed until
+        :meth:`remove`; a module whose ``forward`` is set on the instance already is left
+        alone.
+
+        Raises:
+            ValueError: another open ``per_sample(own_grad=True)`` owns calls of one of them
+                (both would detach its parameters and add its share to ``.grad``).
+        """
+        found = []
         for name in self.ownable:
             owner = self._spec.owners[name]
+            other = _CLAIMS.get(owner.module)
+            if other is not None and other() is not None:
+                raise ValueError(
+                    f"per_sample(own_grad=True): module {name!r} "
+                    f"({type(owner.module).__name__}) already has its calls' share of .grad "
+                    "computed by another open per_sample(own_grad=True); remove that one (leave "
+                    "its with block) before opening this one"
+                )
             assert owner.entry is not None
             forward = owner.entry.own_forward
             if forward is not None and "forward" in vars(owner.module):
                 continue
-            yield name, owner.module, forward
+            found.append((name, owner.module, forward))
+        me = weakref.ref(self)
+        for _, module, _ in found:
+            _CLAIMS[module] = me
+            self._claimed.append(module)
+        return found
 
     def replace_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         """Run ``forward`` for ``module``'s calls until :meth:`remove`."""
@@ -118,7 +144,13 @@ class OwnGrad:
         self._forwards.append(module)
 
     def remove(self) -> None:
-        """The modules get back their forwards and their parameters. Safe to call twice."""
+        """The modules get back their forwards and their parameters, and are free to claim.
+        Safe to call twice."""
+        for module in self._claimed:
+            ref = _CLAIMS.get(module)
+            if ref is not None and ref() is self:
+                del _CLAIMS[module]
+        self._claimed = []
         for module in self._forwards:
             vars(module).pop("forward", None)
         self._forwards = []
