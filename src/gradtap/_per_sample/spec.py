@@ -46,10 +46,10 @@ class Spec:
         self.loss_reduction = loss_reduction
         self.batch_dim = batch_dim
         self.quantities: tuple[Quantity, ...] = cast(tuple[Quantity, ...], asked)  # checked
-        self.want_grad = "grad" in quantities
-        self.want_norm = "norm" in quantities
-        self.want_stats = bool(STATS & set(quantities))
-        self.want_var = bool({"variance", "snr"} & set(quantities))
+        self.want_grad = "grad" in asked
+        self.want_norm = "norm" in asked
+        self.want_stats = bool(STATS & set(asked))
+        self.want_var = bool({"variance", "snr"} & set(asked))
 
         # Named as the user's model (no DDP or compile prefixes).
         self.model = unwrap_model(model)
