@@ -54,14 +54,14 @@ class Calls:
     def __init__(self, spec: Spec) -> None:
         self._spec = spec
         self._stack: list[tuple[str, Frame | None]] = []
-        self.frames: list[Frame] = []
+        self._frames: list[Frame] = []
         self.new_group()
 
     def new_group(self) -> None:
         """Start a forward group: the forwards whose graph the next backward goes through."""
-        for frame in self.frames:
+        for frame in self._frames:
             frame.drop()
-        self.frames = []
+        self._frames = []
         self._outer_calls = 0
         self._enclosing: dict[str, list[tuple[Frame, ...]]] = {}  # qual -> frames per use
         self.flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
@@ -78,7 +78,7 @@ class Calls:
 
     def end_backward(self) -> None:
         """A backward went through the group: drop the output gradients it left."""
-        for frame in self.frames:
+        for frame in self._frames:
             frame.grads = {}
         self._done = True
 
@@ -108,7 +108,7 @@ class Calls:
             self._outer_calls += 1
         frame = Frame(name, module, args, kwargs, outer, self.running())
         self._stack.append((name, frame))
-        self.frames.append(frame)
+        self._frames.append(frame)
 
     def leave(self, name: str) -> Frame | None:
         """A call of ``name`` returned: its frame, if it was kept."""
@@ -127,9 +127,9 @@ class Calls:
         for q in self._spec.params:
             if q not in self._enclosing:  # no call of its modules: a read through .weight
                 needed.update(id(f) for f in innermost_around(self._spec.owners_of.get(q, []),
-                                                              self.frames))
+                                                              self._frames))
         kept = []
-        for frame in self.frames:
+        for frame in self._frames:
             if not frame.settled:
                 frame.settled = True
                 frame.keep = frame.outer or id(frame) in needed
@@ -138,7 +138,7 @@ class Calls:
                     continue
             if frame.keep:
                 kept.append(frame)
-        self.frames = kept
+        self._frames = kept
 
     def on_forward(self, owner: Owner, call: int, module: nn.Module,
                    frames: tuple[Frame, ...], inputs: dict[str, Tensor],
@@ -203,5 +203,5 @@ class Calls:
         call of a module holding it was seen (a use outside them)."""
         if qual in self._enclosing:
             return self._enclosing[qual]
-        around = innermost_around(self._spec.owners_of.get(qual, []), self.frames)
-        return [f.chain for f in around] or [(f,) for f in self.frames if f.outer]
+        around = innermost_around(self._spec.owners_of.get(qual, []), self._frames)
+        return [f.chain for f in around] or [(f,) for f in self._frames if f.outer]
