@@ -257,10 +257,11 @@ class PerSample:
         owner = self._spec.owners[rec.module_name]
         self._queue_end()
         n = self.batch_size
-        if not n:  # an empty batch: nothing to split (_end_of_backward); None: cleared since
-            return
+        if n == 0:
+            return  # an empty batch: nothing to split (_end_of_backward)
         own = self._own.take(rec.module_name, rec.call)
         if own is not None:
+            assert n is not None
             with self._computing():
                 self._own.record(owner, rec, own, n, self._step)
             return
@@ -268,7 +269,7 @@ class PerSample:
         if names:
             call = self._calls.arguments(rec)
             with self._computing():
-                self._step.add_call(owner, rec, names, n, call)
+                self._step.add_call(owner, rec, names, n, call)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         self._queued = False
