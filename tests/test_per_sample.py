@@ -910,3 +910,27 @@ def test_sketched_check_passes_healthy_linear_models(n: int, width: int, out: in
     for k, p in model.named_parameters():
         total = grads[k].mean(0) if reduction == "mean" else grads[k].sum(0)
         torch.testing.assert_close(total, p.grad, rtol=tol, atol=tol * float(p.grad.abs().max()))
+
+
+@pytest.mark.parametrize("quantities", [
+    "variance", "snr", "second_moment",
+    pytest.param(lambda: (q for q in ("norm", "variance")), id="generator"),
+])
+@pytest.mark.usefixtures("float64_seeded")
+def test_quantities_as_one_string_or_a_one_shot_iterable(quantities) -> None:
+    """What is computed follows the quantities as checked, not the argument read again (a
+    string is not its set of characters, a generator is read once)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    asked = quantities() if callable(quantities) else quantities
+    with gt.per_sample(model, quantities=asked) as ps:
+        model(x).square().sum().backward()
+    with gt.per_sample(model, quantities=("grad",)) as ref:
+        model(x).square().sum().backward()
+    for q in ps.quantities:
+        got = ps.norms if q == "norm" else getattr(ps, q)
+        for k, g in ref.grad.items():
+            var, mean = torch.var_mean(g, 0, correction=0)
+            expected = {"norm": g.flatten(1).norm(dim=1), "variance": var,
+                        "second_moment": g.square().mean(0), "snr": mean.square() / (var + 1e-12)}
+            torch.testing.assert_close(got[k], expected[q], rtol=1e-8, atol=1e-12)

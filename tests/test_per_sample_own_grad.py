@@ -354,3 +354,33 @@ def test_attention_dropout_in_training_draws_the_modules_own_masks(need_weights)
     for k, p in model.named_parameters():
         close(p.grad, expected[k], f".grad {k}")
         assert ps.grad[k].shape == (N, *p.shape)
+
+
+def test_a_second_own_grad_on_the_same_modules_is_refused_until_the_first_is_removed():
+    # Both would detach the parameters (the second one's forward hook putting back the first
+    # one's detached copies) and add the calls' share to .grad twice.
+    model, b = Block(), batch()
+    expected = autograd_grads(model, loss_of, b)
+    with gt.per_sample(model, own_grad=True) as ps:
+        with pytest.raises(ValueError, match=r"module 'attn' \(MultiheadAttention\) already has "
+                                             r"its calls' share of \.grad computed by another"):
+            gt.per_sample(model, "attn", own_grad=True)
+        loss_of(model, b).backward()
+    assert_no_hooks(model)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    ref = loop(model, b)
+    for k, p in model.named_parameters():
+        close(p.grad, expected[k], f".grad {k}")
+        close(ps.grad[k], ref[k], f"grad {k}")
+    model.zero_grad(set_to_none=True)
+    with gt.per_sample(model, "attn", own_grad=True) as a, \
+            gt.per_sample(model, "head", own_grad=True) as h:  # modules apart: both own theirs
+        loss_of(model, b).backward()
+    for k, p in model.named_parameters():
+        close(p.grad, expected[k], f".grad {k}")
+    for k in a.names:
+        close(a.grad[k], ref[k], f"grad {k}")
+    for k in h.names:
+        close(h.grad[k], ref[k], f"grad {k}")
+    model.zero_grad(set_to_none=True)
+    run(model, loss_of, b)  # the first one removed, its modules are free again

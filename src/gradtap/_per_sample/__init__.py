@@ -1,11 +1,15 @@
 """Per-sample gradients, their norms and batch statistics: :func:`per_sample`.
 
-``api`` holds the verb and :class:`PerSample`; ``owners`` resolves which module owns each
-selected parameter and its rule entry; ``compute`` turns one record into the quantities
-asked; ``units`` keeps enclosing calls for a replay and checks each backward's split;
-``fallback`` replays calls under ``torch.func``; ``results`` assembles what is read. Rule
-entries (``rule.PerSampleRule``, one per layer family) live in ``rules/`` and are registered
-in ``rules/__init__.py``; users register their own through ``gradtap.rules``.
+``api`` holds the verb and :class:`PerSample`, which installs the hooks and hands each event
+to a collaborator: ``spec`` (the arguments, parameters and owners, resolved once), ``frames``
+(the calls kept for a replay), ``own_grad`` (``own_grad=True``'s detached calls and their
+share of ``.grad``), ``accumulate`` (one backward's results and their sum), ``check`` (the
+sum check) and ``replays``. ``owners`` resolves which module owns each selected parameter
+and its rule entry; ``compute`` turns one record into the quantities asked; ``units`` holds
+the kept calls and the comparison of each backward's split; ``fallback`` replays calls under
+``torch.func``; ``results`` assembles what is read. Rule entries (``rule.PerSampleRule``, one
+per layer family) live in ``rules/`` and are registered in ``rules/__init__.py``; users
+register their own through ``gradtap.rules``.
 """
 
 from gradtap._per_sample import rules  # noqa: F401  (registers every built-in rule)

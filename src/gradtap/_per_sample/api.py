@@ -14,48 +14,35 @@ not add up.
 
 Parameters that no call of their own module can split into samples (an input shared by all
 samples, samples folded with other rows, a call per sample, an output gradient that cannot be
-trusted) get theirs from a replay of an enclosing call (``_per_sample.units``), with a warning
+trusted) get theirs from a replay of an enclosing call (``replays``, ``units``), with a warning
 naming the module. After each backward, every parameter's per-sample gradients are checked to
 reduce to that backward's increment of its ``.grad``; a parameter that fails is replayed too.
+
+:class:`PerSample` installs the hooks and hands each event to the collaborator that owns
+the state it touches (``spec``, ``frames``, ``own_grad``, ``accumulate``, ``check``,
+``replays``: see the package docstring).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
-from collections.abc import Iterable
-from typing import Any, Literal, cast, get_args
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.compute import Compute, PiecesCompute, RuleCompute, compute_for
-from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.layout import sample_count
-from gradtap._per_sample.owners import (
-    Owner,
-    batch_size_of,
-    check_module,
-    classify_call,
-    describe,
-    enclosing_modules,
-    resolve_owners,
-    rows,
-)
-from gradtap._per_sample.results import STATS, results
-from gradtap._per_sample.sketch import Sketches, pair
-from gradtap._per_sample.units import (
-    MAX_OUTER_CALLS,
-    Frame,
-    candidates,
-    frames_of,
-    innermost_around,
-    largest_norm,
-    mismatches,
-    replay_frames,
-    watch_outputs,
-)
+from gradtap._per_sample.accumulate import Step, Totals
+from gradtap._per_sample.check import check_sums
+from gradtap._per_sample.frames import Calls, samples_in, samples_of
+from gradtap._per_sample.own_grad import OwnForward, OwnGrad, lost_error
+from gradtap._per_sample.owners import check_module, describe, enclosing_modules
+from gradtap._per_sample.replays import Replays
+from gradtap._per_sample.sketch import Sketches
+from gradtap._per_sample.spec import LossReduction, Quantity, Spec
+from gradtap._per_sample.units import Frame, watch_outputs
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -63,19 +50,12 @@ from gradtap.capture import (
     at_end_of_backward,
     compiled_feature,
     current_backward,
-    in_recomputation,
     tap,
 )
-from gradtap.errors import GradtapError, SelectionError
-from gradtap.record import GradRecord, flatten_tensors
-from gradtap.select import select_module_parameters, unwrap_model
+from gradtap.errors import GradtapError
+from gradtap.record import GradRecord
 
 __all__ = ["PerSample", "Quantity", "per_sample"]
-
-Quantity = Literal["grad", "norm", "variance", "second_moment", "snr"]
-LossReduction = Literal["mean", "sum"]
-_QUANTITIES: tuple[str, ...] = get_args(Quantity)
-
 
 
 class PerSample:
@@ -96,268 +76,134 @@ class PerSample:
         fallback: bool = True,
         own_grad: bool = False,
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-            raise ValueError(f"batch_dim must be a non-negative int; got {batch_dim!r}")
-        asked: tuple[str, ...] = ((quantities,) if isinstance(quantities, str)
-                                  else tuple(quantities))
-        unknown = [q for q in asked if q not in _QUANTITIES]
-        if unknown or not asked:
-            raise ValueError(
-                f"quantities must be a non-empty subset of {_QUANTITIES}; got {asked!r}"
-            )
-        self.loss_reduction = loss_reduction
-        self.batch_dim = batch_dim
-        self.quantities: tuple[Quantity, ...] = cast(tuple[Quantity, ...], asked)  # checked
-        self._want_grad = "grad" in quantities
-        self._want_norm = "norm" in quantities
-        self._want_stats = bool(STATS & set(quantities))
-        self._want_var = bool({"variance", "snr"} & set(quantities))
-
-        # Named as the user's model (no DDP or compile prefixes); a compiled model's taps go
-        # through its wrapper (they run eagerly).
-        compiled, model = model, unwrap_model(model)
-        params = select_module_parameters(model, select)
-        self._params = {n: p for n, p in params if p.requires_grad}
-        if not self._params:
-            raise SelectionError(
-                f"select={select!r} matches only parameters that do not require grad: "
-                f"{', '.join(n for n, _ in params)}"
-            )
-        self._fallback = fallback
-        self._owners = resolve_owners(model, self._params, batch_dim, fallback)
-        self._sketches = Sketches(self._params, self._owners)
-        self._use_count = {q: sum(q in o.direct.values() for o in self._owners.values())
-                           for q in self._params}
-        self._owners_of: dict[str, list[str]] = {}
-        for owner in self._owners.values():
-            for qual in owner.direct.values():
-                self._owners_of.setdefault(qual, []).append(owner.name)
-        self._warned: set[tuple[str, str]] = set()
+        self._spec = spec = Spec(model, select, loss_reduction, batch_dim, quantities, fallback)
+        self.loss_reduction = spec.loss_reduction
+        self.batch_dim = spec.batch_dim
+        self.quantities: tuple[Quantity, ...] = spec.quantities
         self.own_grad = bool(own_grad)
-        self._ownable = self._find_ownable() if own_grad else {}
-        self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
-        self._forwards: list[nn.Module] = []
-        self._replaying = False
+        self._hooks = HookSet()
+        self._own = OwnGrad(spec, self._hooks, self.own_grad)
+        self._replays = Replays(spec)
+        self._busy = False  # per_sample computes: see _computing
         self._queued = False
         self.batch_size: int | None = None
         self._reset()
-        owners = set(self._owners)
+        owners = set(spec.owners)
         # Hooks must not keep this object alive: a reference cycle would hold every result
         # (hundreds of MB of per-sample gradients) until the cyclic garbage collector runs.
         me = weakref.ref(self)
-        self._hooks = HookSet()
+        # A compiled model's taps go through its wrapper (they run eagerly).
         with compiled_feature("per_sample"):
             self._tap = tap(
-                compiled,
+                model,
                 select=lambda name, _module: name in owners,
                 keep=("inputs",),
                 store=False,
                 listener=_Forward(me),
             )
         try:
-            for name, module in enclosing_modules(model, self._owners):
-                self._hooks.module_calls(
-                    module,
-                    functools.partial(_call_kw, me, "_before", name, module),
-                    functools.partial(_call, me, "_after", name),
-                )
-            for name in self._ownable:
-                module = self._owners[name].module
-                entry = self._owners[name].entry
-                assert entry is not None
-                if entry.own_forward is not None:
-                    if "forward" in vars(module):  # a forward set on the instance: leave it
-                        continue
-                    module.forward = functools.partial(_own_forward, me, name, module,
-                                                       entry.own_forward)
-                    self._forwards.append(module)
-                    before = None
-                else:
-                    before = functools.partial(_call_kw, me, "_own_before", name, module)
-                self._hooks.module_calls(module, before,
-                                         functools.partial(_call, me, "_own_after", name),
-                                         always=True)
-            for qual, p in self._params.items():
-                handle = self._hooks.gradient(p, functools.partial(_call, me, "_on_increment",
-                                                                   qual))
-                if handle is not None:
-                    self._hooks.add(handle)
+            self._install(me)
         except BaseException:
             self.remove()
             raise
 
-    # -- setup ------------------------------------------------------------------------------
-
-    def _find_ownable(self) -> dict[str, frozenset[str]]:
-        """Owner name -> the parameters (relative names) its calls use detached, when
-        ``own_grad``: every module that holds them has a rule (not a parametrization, not
-        inside a module without a rule, whose replay would cover them)."""
-        ruleless = [o.name for o in self._owners.values() if o.entry is None]
-
-        def has_rule(name: str) -> bool:
-            owner = self._owners[name]
-            return (owner.entry is not None and not owner.parametrized
-                    and not any(r == "" or name.startswith(r + ".") for r in ruleless))
-
-        ownable: dict[str, frozenset[str]] = {}
-        for name, owner in self._owners.items():
-            if not has_rule(name):
-                continue
-            assert owner.entry is not None
-            if owner.rule is not None:
-                rels = dict(owner.direct)
-            elif owner.entry.own_forward is not None:
-                rels = {**owner.direct, **{rel: q for rel, (q, _) in owner.nested.items()}}
+    def _install(self, me: weakref.ref[PerSample]) -> None:
+        for name, module in enclosing_modules(self._spec.model, self._spec.owners):
+            self._hooks.module_calls(
+                module,
+                functools.partial(_call, me, "_before", name, module),
+                functools.partial(_call, me, "_after", name),
+            )
+        for name, module, forward in self._own.claim():
+            if forward is not None:
+                self._own.replace_forward(module, functools.partial(_own_forward, me, name,
+                                                                    module, forward))
+                before = None
             else:
-                continue
-            rels = {rel: q for rel, q in rels.items()
-                    if all(has_rule(o) for o in self._owners_of.get(q, ()))}
-            if rels:
-                ownable[name] = frozenset(rels)
-        return ownable
+                before = functools.partial(_call, me, "_own_before", name, module)
+            self._hooks.module_calls(module, before,
+                                     functools.partial(_call, me, "_own_after", name),
+                                     always=True)
+        for qual, p in self._spec.params.items():
+            handle = self._hooks.gradient(p, functools.partial(_call, me, "_on_increment", qual))
+            if handle is not None:
+                self._hooks.add(handle)
+
+    @property
+    def _sketches(self) -> Sketches:
+        return self._spec.sketches
+
+    @property
+    def _ownable(self) -> dict[str, frozenset[str]]:
+        return self._own.ownable
 
     def _reset(self) -> None:
         self.batch_size = None
-        self._grad: dict[str, Tensor] = {}
-        self._norm_sq: dict[str, Tensor] = {}
-        self._sum_sq: dict[str, Tensor] = {}
-        self._total: dict[str, Tensor] = {}
-        self._problems: list[str] = []
-        self._failed: dict[str, str] = {}
-        self._results: dict[str, object] | None = None
-        self._stack: list[tuple[str, Frame | None]] = []
-        for owner in self._owners.values():
+        self._totals = Totals(self._spec)
+        for owner in self._spec.owners.values():
             owner.calls = 0
             owner.seen = set()
-        self._frames: list[Frame] = []
-        self._own_pending: dict[str, object] = {}  # owner -> its call now running, owned
-        self._new_group()
-        self._new_backward()
-
-    def _new_group(self) -> None:
-        """Start a forward group: the forwards whose graph the next backward goes through."""
-        for frame in getattr(self, "_frames", []):
-            frame.drop()
-        self._frames = []
-        self._outer_calls = 0
-        # (owner, call) -> what an owned call read; a call no backward reached is dropped
-        self._own_calls: dict[tuple[str, int], object] = {}
-        self._enclosing: dict[str, list[tuple[Frame, ...]]] = {}  # qual -> frames per use
-        self._flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
-        self._flagged_calls: set[tuple[str, int]] = set()
-        self._covered: dict[tuple[str, int], set[str]] = {}
-        # (owner, call) -> the call's own frame, for an owner without a rule (its replay takes
-        # every argument as passed, non-tensors included)
-        self._own_frames: dict[tuple[str, int], Frame] = {}
-        self._group_done = False
+        self._calls = Calls(self._spec)
+        self._own.clear()
+        self._step = Step(self._spec)
 
     def _new_backward(self) -> None:
         """Forget what the last backward computed (merged already) and its increments."""
-        self._own_grad: dict[str, Tensor] = {}  # own_grad: what this backward adds to .grad
-        self._own_lost: dict[str, str] = {}  # own_grad: qual -> why its share is unknown
-        self._autograd_seen: set[str] = set()  # own_grad: got a gradient from autograd too
-        self._step_grad: dict[str, Tensor] = {}
-        # sum over samples of _step_grad, times its projection where the check is sketched
-        self._step_sum: dict[str, Tensor] = {}
-        self._step_norm_sq: dict[str, Tensor] = {}
-        self._step_sum_sq: dict[str, Tensor] = {}
-        self._step_total: dict[str, Tensor] = {}
-        self._step_pg: dict[str, Tensor] = {}  # the calls' own contributions (not materialized)
-        # What this backward adds to each .grad; where the check is sketched, its projection
-        # unless it is the very tensor kept as a call's contribution (_step_pg): keeping no
-        # reference to a wide gradient lets autograd move it into .grad without a copy.
-        self._increments: dict[str, Tensor] = {}
-        self._largest_norm: float | None = None
-        self._late: dict[str, tuple[str, str]] = {}  # found in backward: qual -> (module, why)
+        self._step = Step(self._spec)
+        self._own.new_backward()
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """per_sample computes or replays: the calls and gradients its hooks see meanwhile (a
+        replay's forward, a fallback's own backward) are not the model's."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
 
     # -- forward side -----------------------------------------------------------------------
 
     def _before(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        calls = self._calls
         if name == "":  # a new call of the model: leftovers are from a forward that raised
-            self._stack.clear()
+            calls.restart()
         # Calls inside a backward are checkpoint recomputations or replays, not new uses.
-        if not torch.is_grad_enabled() or current_backward() is not None or self._replaying:
-            self._stack.append((name, None))
-            return
-        outer = not any(f is not None for _, f in self._stack)
-        if outer:
+        new_use = (torch.is_grad_enabled() and current_backward() is None
+                   and not self._busy)
+        if new_use and calls.outside():
             self._forward_starts()
-            self._set_batch_size(describe(name, module), args, kwargs, module)
-            self._outer_calls += 1
-        frame = Frame(name, module, args, kwargs, outer,
-                      tuple(f for _, f in self._stack if f is not None))
-        self._stack.append((name, frame))
-        self._frames.append(frame)
+            who = describe(name, module)
+            self._set_batch_size(who, samples_of(who, module, args, kwargs, self.batch_dim))
+        calls.enter(name, module, args, kwargs, new_use)
 
     def _after(self, name: str, output: Any) -> None:
-        frame = None
-        while self._stack:
-            popped, frame = self._stack.pop()
-            if popped == name:
-                break
-        else:
-            return
+        frame = self._calls.leave(name)
         if frame is None:
             return
         watch_outputs(frame, output, self._hooks,
                       functools.partial(_call, weakref.ref(self), "_on_frame_grad"))
-        if not any(f is not None for _, f in self._stack):
-            self._settle()
-
-    def _may_own(self, name: str, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Whether this call's selected parameters are used detached (``own_grad``): a
-        forward that builds a graph, one row per sample in the first tensor argument, and a
-        tensor argument that requires grad (so that the output still does). A checkpoint's
-        recomputation in backward repeats the forward's choice (it must save the same
-        tensors): a call of a module whose owned calls are still pending is owned again."""
-        if self._replaying or not self.batch_size or not torch.is_grad_enabled():
-            return False
-        if current_backward() is not None and not (
-                in_recomputation() and any(n == name for n, _ in self._own_calls)):
-            return False
-        tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
-        return (bool(tensors) and rows(tensors[0], self.batch_dim) == self.batch_size
-                and any(t.requires_grad for t in tensors))
+        if self._calls.outside():
+            self._calls.settle()
 
     def _own_before(self, name: str, module: nn.Module, args: tuple,
                     kwargs: dict[str, Any]) -> None:
-        swaps: list[tuple[nn.Module, str, Tensor]] = []
-        if self._may_own(name, args, kwargs):
-            held = cast(dict[str, Any], module._parameters)
-            for rel in self._ownable[name]:
-                p = held.get(rel)
-                if p is not None:
-                    swaps.append((module, rel, p))
-                    held[rel] = p.detach()
-            self._own_pending[name] = frozenset(rel for _, rel, _ in swaps)
-        self._swapped.append((name, swaps))
+        self._own.before(name, module, args, kwargs, None if self._busy else self.batch_size)
 
     def _own_after(self, name: str, _output: Any) -> None:
-        self._own_pending.pop(name, None)  # not seen by the tap: not owned
-        if self._swapped and self._swapped[-1][0] == name:
-            _put_back(self._swapped.pop()[1])
+        self._own.after(name)
 
-    def _own_forward_call(self, name: str, module: nn.Module, forward: Any, args: tuple,
-                          kwargs: dict[str, Any]) -> Any:
-        if self._may_own(name, args, kwargs):
-            call = _OwnCall(self._hooks, self._ownable[name])
-            out = forward(module, args, kwargs, call)
-            if out is not None:
-                self._own_pending[name] = call
-                return out
-        return type(module).forward(module, *args, **kwargs)
+    def _own_forward_call(self, name: str, module: nn.Module, forward: OwnForward,
+                          args: tuple, kwargs: dict[str, Any]) -> Any:
+        return self._own.forward_call(name, module, forward, args, kwargs,
+                                      None if self._busy else self.batch_size)
 
     def _forward_starts(self) -> None:
-        if self._group_done or self._outer_calls >= MAX_OUTER_CALLS:
-            self._new_group()
+        if self._calls.group_over():
+            self._calls.new_group()
+            self._own.new_group()
 
-    def _set_batch_size(self, who: str, args: tuple, kwargs: dict[str, Any],
-                        module: nn.Module) -> None:
-        n = sample_count(module, args, kwargs)
-        if n is None:
-            n = batch_size_of(who, args, kwargs, self.batch_dim)
+    def _set_batch_size(self, who: str, n: int) -> None:
         if self.batch_size is None:
             self.batch_size = n
         elif n != self.batch_size:
@@ -366,74 +212,20 @@ class PerSample:
                 f"earlier call had {self.batch_size}; call ps.clear() between batches"
             )
 
-    def _settle(self) -> None:
-        """The outermost call returned: keep the calls a replay may need, drop the others."""
-        needed = {id(f) for q in self._flagged for frames in self._enclosing.get(q, ())
-                  for f in frames}
-        needed.update(id(f) for f in self._own_frames.values())
-        for q in self._params:
-            if q not in self._enclosing:  # no call of its modules: a read through .weight
-                needed.update(id(f) for f in innermost_around(self._owners_of.get(q, []),
-                                                              self._frames))
-        kept = []
-        for frame in self._frames:
-            if not frame.settled:
-                frame.settled = True
-                frame.keep = frame.outer or id(frame) in needed
-                if not frame.keep:
-                    frame.drop()
-                    continue
-            if frame.keep:
-                kept.append(frame)
-        self._frames = kept
-
     def _on_forward(self, name: str, call: int, module: nn.Module, inputs: dict[str, Tensor],
                     outputs: dict[str, Tensor]) -> None:
-        if self._replaying:
+        if self._busy:
             return
-        owner = self._owners[name]
+        owner = self._spec.owners[name]
         owner.calls += 1
         check_module(name, module, self.batch_dim, owner.entry is None)
-        # The calls around this one (its own too, when it is one: a replay of it with every
-        # argument as passed is the first thing to try for a module without a rule).
-        frames = tuple(f for _, f in self._stack if f is not None)
+        frames = self._calls.running()
         if not frames:  # called outside the model's own call
             self._forward_starts()
             if self.batch_size is None:
-                first = next(iter(inputs.values()), None)
-                if first is None or first.dim() <= self.batch_dim:
-                    got = "no tensor argument" if first is None else f"shape {tuple(first.shape)}"
-                    raise ValueError(
-                        f"per_sample: module {name!r} was called with {got}; its input needs the "
-                        f"sample dim batch_dim={self.batch_dim}"
-                    )
-                self.batch_size = first.shape[self.batch_dim]
-        if self._own_pending:
-            own = self._own_pending.pop(name, None)
-            if own is not None:
-                self._own_calls[(name, call)] = own
-        quals = owner.quals
-        for q in quals:
-            self._enclosing.setdefault(q, []).append(frames)
-        own = frames[-1] if frames and frames[-1].module is module else None
-        if owner.entry is None and own is not None:
-            self._own_frames[(name, call)] = own
-        # A parameter also held by an enclosing module without a rule (a tied decoder bias
-        # held by the head and by its Linear) is covered by that module's own replay, which
-        # sees every use inside its call: counting this call too would count it twice.
-        covered = {q for f in frames if f.module is not module and f.name in self._owners
-                   and self._owners[f.name].entry is None
-                   for q in self._owners[f.name].direct.values()}
-        if covered & set(quals):
-            self._covered[(name, call)] = covered
-        reason = classify_call(owner, inputs, outputs, self.batch_size, self.batch_dim,
-                               None if own is None or owner.entry is not None
-                               or self.batch_size is None
-                               else own.split(self.batch_size, self.batch_dim))
-        if reason is not None:
-            self._flagged_calls.add((name, call))
-            for q in quals:
-                self._flagged.setdefault(q, (repr(name), reason))
+                self.batch_size = samples_in(name, inputs, self.batch_dim)
+        self._own.called(name, call)
+        self._calls.on_forward(owner, call, module, frames, inputs, outputs, self.batch_size)
 
     # -- backward side ----------------------------------------------------------------------
 
@@ -447,388 +239,69 @@ class PerSample:
         at_end_of_backward(lambda: at_end_of_backward(lambda: _call(me, "_end_of_backward")))
 
     def _on_frame_grad(self, frame: Frame, path: str, grad: Tensor) -> None:
-        if self._replaying or not frame.keep:
+        if self._busy or not frame.keep:
             return
         frame.grads[path] = grad if path not in frame.grads else frame.grads[path] + grad
         self._queue_end()
 
     def _on_increment(self, qual: str, grad: Tensor) -> None:
-        if self._replaying:
+        if self._busy:
             return
         self._queue_end()
-        self._autograd_seen.add(qual)
-        with torch.no_grad():
-            if qual in self._sketches and self._step_pg.get(qual) is not grad:
-                grad = self._sketches.project(qual, grad)
-            self._add_increment(qual, grad)  # twice: a reentrant checkpoint
-
-    def _add_increment(self, qual: str, grad: Tensor) -> None:
-        inc = self._increments.get(qual)
-        if inc is not None:
-            inc, grad = pair(self._sketches, qual, inc, grad)
-            grad = inc + grad
-        self._increments[qual] = grad
-
-    def _mark_late(self, quals: Iterable[str], module: str, reason: str) -> None:
-        for q in quals:
-            self._late.setdefault(q, (repr(module), reason))
+        self._own.autograd_added(qual)
+        self._step.increment(qual, grad)
 
     def _on_record(self, rec: GradRecord) -> None:
-        if self._replaying:
+        if self._busy:
             return
-        owner = self._owners[rec.module_name]
+        owner = self._spec.owners[rec.module_name]
         self._queue_end()
-        if self.batch_size == 0:
-            return  # an empty batch: nothing to split (_end_of_backward)
-        if self._own_calls:
-            own = self._own_calls.pop((rec.module_name, rec.call), None)
-            if own is not None:
-                self._own_record(owner, rec, own)
-                return
-        if (rec.module_name, rec.call) in self._flagged_calls:
-            return
-        covered = self._covered.get((rec.module_name, rec.call), set())
-        names = {rel: q for rel, q in owner.direct.items()
-                 if q not in self._flagged and q not in covered}
-        if owner.rule is None:
-            # A descendant that owns selected parameters but was never called (e.g.
-            # MultiheadAttention's out_proj) has them used by this call: cover them here
-            # (pieces rules and the fallback see the whole subtree).
-            for rel, (qual, sub) in owner.nested.items():
-                if (self._owners[sub].calls == 0 and rec.param_grads.get(rel) is not None
-                        and qual not in self._flagged):
-                    names[rel] = qual
-        if not names:
-            return
-        if all(g is None for g in rec.grad_outputs.values()):
-            if any(rec.param_grads.get(rel) is not None for rel in names):
-                self._mark_late(names.values(), rec.module_name,
-                                "its output gradient was not recorded (its output modified in "
-                                "place afterwards?)")
-            return
-        if rec.notes:
-            self._mark_late(names.values(), rec.module_name, "; ".join(rec.notes))
-            return
-        names = {rel: q for rel, q in names.items() if q not in self._late}
-        if not names:
-            return
-        self._results = None
-        scale = float(self.batch_size) if self.loss_reduction == "mean" else 1.0  # type: ignore[arg-type]
-        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
-                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
-        self._replaying = True  # a fallback's own backward must not count as an increment
-        try:
-            with torch.no_grad():
-                frame = self._own_frames.get((rec.module_name, rec.call))
-                call = (None if frame is None or frame.changed() or frame.kwargs is None
-                        else (cast(tuple, frame.args), frame.kwargs))
-                compute = compute_for(owner, rec, scale, frozenset(names), materialize,
-                                      self.batch_size, self.batch_dim,  # type: ignore[arg-type]
-                                      call)
-                if materialize:
-                    grads = compute.grads()
-                    self._add_grads(names, grads, self._checked_sums(compute, grads, names))
-                else:
-                    self._add_reduced(names, compute, rec, scale)
-        except CannotReplay as err:
-            self._mark_late(names.values(), rec.module_name, str(err))
-            return
-        finally:
-            self._replaying = False
-        owner.seen.update(names)
-
-    def _own_record(self, owner: Owner, rec: GradRecord, own: object) -> None:
-        """A call whose parameters were used detached: its per-sample results, and its share
-        of ``.grad`` (their sum), which autograd did not compute."""
-        if isinstance(own, _OwnCall):
-            rels: frozenset[str] = own.detach
-        else:
-            rels = cast(frozenset, own)
-        names = {rel: q for rel, q in {**owner.direct, **{r: q for r, (q, _) in
-                                                           owner.nested.items()}}.items()
-                 if rel in rels}
-        if not names:
-            return
-        if all(g is None for g in rec.grad_inputs.values()) and not isinstance(own, _OwnCall):
-            return  # no gradient went through the call
-        if rec.notes:
-            self._own_lost.update({q: f"{rec.module_name!r}: {'; '.join(rec.notes)}"
-                                   for q in names.values()})
-            return
         n = self.batch_size
-        assert n is not None
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0
-        self._results = None
-        materialize = (self._want_grad or owner.calls > 1 or bool(owner.seen & set(names))
-                       or any(self._use_count.get(q, 1) > 1 for q in names.values()))
-        self._replaying = True
-        try:
-            with torch.no_grad():
-                compute: Compute
-                if isinstance(own, _OwnCall):
-                    entry = owner.entry
-                    assert entry is not None and entry.own_pieces is not None
-                    pieces = entry.own_pieces(owner.module, own, rec.grad_outputs, scale)
-                    if pieces is None:
-                        if all(g is None for g in rec.grad_outputs.values()):
-                            return
-                        raise CannotReplay("a gradient the call's own forward waited for "
-                                           "was not computed")
-                    compute = PiecesCompute(pieces, frozenset(names))
-                else:
-                    if all(g is None for g in rec.grad_outputs.values()):
-                        raise CannotReplay("its output gradient was not recorded")
-                    compute = compute_for(owner, rec, scale, frozenset(names), materialize,
-                                          n, self.batch_dim)
-                if materialize:
-                    grads = compute.grads()
-                    totals = _sums(compute, grads)
-                    self._add_grads(names, grads, {
-                        rel: self._sketches.project(names[rel], t) for rel, t in totals.items()})
-                else:
-                    totals = compute.total()
-                shares = {}
-                for rel, g in totals.items():
-                    q = names[rel]
-                    g = (g * c).to(self._params[q].dtype)
-                    shares[q] = g
-                    self._own_grad[q] = g if q not in self._own_grad else self._own_grad[q] + g
-                    self._add_increment(q, g)
-                if not materialize:
-                    self._add_reduced(names, compute, rec, scale, shares)
-        except CannotReplay as err:
-            self._own_lost.update({q: f"{rec.module_name!r}: {err}" for q in names.values()})
+        if n == 0:
+            return  # an empty batch: nothing to split (_end_of_backward)
+        own = self._own.take(rec.module_name, rec.call)
+        if own is not None:
+            assert n is not None
+            with self._computing():
+                self._own.record(owner, rec, own, n, self._step)
             return
-        finally:
-            self._replaying = False
-            if isinstance(own, _OwnCall):
-                own.release()
-        owner.seen.update(names)
-
-    def _checked_sums(self, compute: Compute, grads: dict[str, Tensor],
-                      names: dict[str, str]) -> dict[str, Tensor]:
-        """What the end-of-backward check compares of one call: ``sum_n g_n`` per name, times
-        its projection where the check is sketched (``_per_sample.sketch``)."""
-        out: dict[str, Tensor] = {}
-        if isinstance(compute, RuleCompute) and compute.rule.total_sketch is not None:
-            for rel in grads:
-                if names[rel] in self._sketches:
-                    out.update(compute.sketch(frozenset({rel}),
-                                              self._sketches.matrix(names[rel])))
-        rest = {rel: g for rel, g in grads.items() if rel not in out}
-        if rest:
-            out.update((rel, self._sketches.project(names[rel], t))
-                       for rel, t in _sums(compute, rest).items() if rel in rest)
-        return out
-
-    def _add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
-                   sums: dict[str, Tensor]) -> None:
-        """Add one call's per-sample gradients, and their sums over the samples (for the
-        check at the end of backward; projected where it is sketched)."""
-        for rel, t in sums.items():
-            qual = names[rel]
-            self._step_sum[qual] = t if qual not in self._step_sum else self._step_sum[qual] + t
-        for rel, g in grads.items():
-            qual = names[rel]
-            step = self._step_grad
-            step[qual] = g if qual not in step else step[qual] + g
-
-    def _add_reduced(self, names: dict[str, str], compute: Compute, rec: GradRecord,
-                     scale: float, shares: dict[str, Tensor] | None = None) -> None:
-        if self._want_norm:
-            for rel, v in compute.norm_sq().items():
-                self._step_norm_sq[names[rel]] = v
-        if self._want_stats:
-            for rel, v in compute.sum_sq().items():
-                self._step_sum_sq[names[rel]] = v
-        for rel, qual in names.items():
-            g = rec.param_grads.get(rel) if shares is None else shares.get(qual)
-            if g is not None:
-                self._step_pg[qual] = g
-                if self._want_var:
-                    self._step_total[qual] = g * scale
-
-    # -- end of backward: check, replay, merge ------------------------------------------------
-
-    def _write_own(self) -> None:
-        """Add this backward's owned shares to ``.grad`` (as autograd accumulates)."""
-        with torch.no_grad():
-            for q, g in self._own_grad.items():
-                p = self._params[q]
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        names = self._calls.names_for(owner, rec)
+        if names:
+            call = self._calls.arguments(rec)
+            with self._computing():
+                self._step.add_call(owner, rec, names, n, call)  # type: ignore[arg-type]
 
     def _end_of_backward(self) -> None:
         self._queued = False
-        lost = dict(self._own_lost)
-        self._write_own()
+        step, n = self._step, self.batch_size
+        lost = self._own.write()
         try:
-            if self.batch_size == 0:  # an empty batch: [0, *shape] for every parameter
-                self._step_grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._params.items()}
-            elif self.batch_size is not None and self._increments:
-                late = self._check_sums()
-                bad = {q: why for q, why in {**self._flagged, **self._late, **late}.items()
-                       if q in self._increments}
-                for q in {**self._flagged, **self._late, **late}:
-                    self._discard(q)
+            if n == 0:  # an empty batch: [0, *shape] for every parameter
+                step.grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._spec.params.items()}
+            elif n is not None and step.increments:
+                flagged = self._calls.flagged
+                late = check_sums(self._spec, step, n, self._own.owned_only(),
+                                  set(flagged) | set(step.late))
+                suspects = {**flagged, **step.late, **late}
+                bad = {q: why for q, why in suspects.items() if q in step.increments}
+                for q in suspects:
+                    step.discard(q)
                 if bad:
-                    self._replay(bad)
-            self._merge()
+                    with self._computing():
+                        self._replays.run(bad, n, step, self._totals, self._calls.uses)
+            self._totals.merge(step)
         finally:
             self._new_backward()
-            for frame in self._frames:
-                frame.grads = {}
-            self._group_done = True
+            self._calls.end_backward()
         if lost:
-            raise GradtapError(
-                "per_sample(own_grad=True): the gradients of "
-                + "; ".join(f"{q} (module {why})" for q, why in lost.items())
-                + " could not be computed from their calls, so their .grad misses those "
-                "calls' share; use own_grad=False for this model")
+            raise lost_error(lost)
 
-    def _check_sums(self) -> dict[str, tuple[str, str]]:
-        """Parameters whose per-sample gradients do not reduce to their ``.grad`` increment."""
-        n = self.batch_size
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
-        touched = (set(self._step_grad) | set(self._step_pg) | set(self._increments)
-                   | set(self._step_norm_sq) | set(self._step_sum_sq))
-        # A parameter whose every use this backward was owned has .grad increments that are
-        # the sums of its per-sample gradients by construction: nothing to check.
-        touched -= set(self._own_grad) - self._autograd_seen
-        rows: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
-        with torch.no_grad():
-            grads = [q for q in touched if q in self._step_grad
-                     and q not in self._flagged and q not in self._late]
-            if grads:
-                sums = [self._step_sum[q] if q in self._step_sum
-                        else self._sketches.project(q, self._step_grad[q].sum(0)) for q in grads]
-                sums = list(torch._foreach_mul(sums, c))
-                for q, a in zip(grads, sums, strict=True):
-                    inc = self._increments.get(q)
-                    a, inc = (a, torch.zeros_like(a)) if inc is None else pair(
-                        self._sketches, q, a, inc)
-                    rows[q] = (a, inc, self._step_grad[q])
-            for q in touched - set(grads) - set(self._flagged) - set(self._late):
-                pg = self._step_pg.get(q)
-                inc = self._increments.get(q)
-                if pg is None:
-                    pg = torch.zeros_like(self._params[q] if inc is None else inc)
-                pg, inc = (pg, torch.zeros_like(pg)) if inc is None else pair(
-                    self._sketches, q, pg, inc)
-                rows[q] = (pg, inc, None)
-        return {q: (", ".join(repr(o) for o in self._owners_of.get(q, ())) or "?",
-                    "its per-sample gradients do not add up to its gradient in this backward "
-                    "(is it used outside the calls of the modules that hold it?)")
-                for q in mismatches(rows, self._params, c, self._largest)}
-
-    def _largest(self) -> float:
-        """The largest gradient norm of this backward, over every selected parameter (of the
-        projection, whose expected square is the norm's, where the check is sketched)."""
-        if self._largest_norm is None:
-            self._largest_norm = largest_norm(list(self._increments.values()))
-        return self._largest_norm
-
-    def _discard(self, qual: str) -> None:
-        for step in (self._step_grad, self._step_sum, self._step_norm_sq, self._step_sum_sq,
-                     self._step_total, self._step_pg):
-            step.pop(qual, None)
-
-    def _uses(self, qual: str) -> list[tuple[Frame, ...]]:
-        """The enclosing calls of each call that used ``qual``; the model's own calls when no
-        call of a module holding it was seen (a use outside them)."""
-        if qual in self._enclosing:
-            return self._enclosing[qual]
-        around = innermost_around(self._owners_of.get(qual, []), self._frames)
-        return [f.chain for f in around] or [(f,) for f in self._frames if f.outer]
-
-    def _replay(self, bad: dict[str, tuple[str, str]]) -> None:
-        """Per-sample gradients of ``bad`` from replays of enclosing calls, innermost first."""
-        n = self.batch_size
-        c = 1.0 / n if self.loss_reduction == "mean" else 1.0  # type: ignore[operator]
-        scale = float(n) if self.loss_reduction == "mean" else 1.0  # type: ignore[arg-type]
-        todo = {q: candidates(self._uses(q)) if self._fallback else [] for q in bad}
-        tried: dict[str, list[str]] = {q: [] if self._fallback else ["fallback=False"]
-                                       for q in bad}
-        done: dict[str, dict[str, str]] = {}  # replayed call -> {module: reason}
-        while todo:
-            groups: dict[str, list[str]] = {}
-            for q, cands in list(todo.items()):
-                if not cands:
-                    self._fail(q, bad[q], tried[q])
-                    del todo[q]
-                    continue
-                groups.setdefault(cands.pop(0), []).append(q)
-            for unit, quals in groups.items():
-                frames = frames_of(unit, [calls for q in quals for calls in self._uses(q)])
-                where = describe(unit, frames[0].module)
-                try:
-                    result = self._replay_frames(frames, quals, scale)
-                except CannotReplay as err:
-                    for q in quals:
-                        tried[q].append(f"{where}: {err}")
-                    continue
-                with torch.no_grad():
-                    rows = {q: (*pair(self._sketches, q, result[q].sum(0) * c,
-                                      self._increments[q]), result[q]) for q in quals}
-                wrong = mismatches(rows, self._params, c, self._largest)
-                for q in quals:
-                    if q in wrong:
-                        tried[q].append(f"{where}: its replay does not add up to the gradient "
-                                        "(a use outside that call?)")
-                        continue
-                    self._step_grad[q] = result[q]
-                    del todo[q]
-                    done.setdefault(where, {}).setdefault(*bad[q])
-        for where, problems in done.items():
-            fresh = {m: why for m, why in problems.items() if (m, where) not in self._warned}
-            if fresh:
-                self._warned.update((m, where) for m in fresh)
-                listed = "; ".join(f"{m}: {why}" for m, why in fresh.items())
-                warnings.warn(f"gradtap.per_sample: per-sample gradients of the parameters of "
-                              f"{len(fresh)} module(s) come from a torch.func replay of {where} "
-                              f"(a forward and backward of it per step), because no rule can "
-                              f"split them: {listed}", stacklevel=2)
-
-    def _replay_frames(self, frames: list[Frame], quals: list[str],
-                       scale: float) -> dict[str, Tensor]:
-        self._replaying = True  # the replay's own hooks and backward are not new uses
-        try:
-            return replay_frames(frames, {q: self._params[q] for q in quals}, self.batch_dim,
-                                 self.batch_size, scale)  # type: ignore[arg-type]
-        finally:
-            self._replaying = False
-
-    def _fail(self, qual: str, problem: tuple[str, str], tried: list[str]) -> None:
-        module_name, reason = problem
-        attempts = "; ".join(tried) if tried else "no call around it was recorded"
-        self._failed[qual] = (
-            f"{qual} (module {module_name}: {reason}), and no enclosing call could be replayed "
-            f"({attempts})"
-        )
-
-    def _merge(self) -> None:
-        """Add this backward's results to those of earlier backwards since the last clear."""
-        for q, g in self._step_grad.items():
-            if q in self._norm_sq or q in self._sum_sq:
-                self._problems.append(q)
-            self._grad[q] = g if q not in self._grad else self._grad[q] + g
-        for step, total in ((self._step_norm_sq, self._norm_sq), (self._step_sum_sq, self._sum_sq)):
-            for q, v in step.items():
-                if q in total or q in self._grad:
-                    self._problems.append(q)
-                total[q] = v
-        self._total.update(self._step_total)
-        if self._step_grad or self._step_norm_sq or self._step_sum_sq:
-            self._results = None
     # -- results ----------------------------------------------------------------------------
 
     @property
     def names(self) -> list[str]:
         """Qualified names of the selected parameters (the keys of every result dict)."""
-        return list(self._params)
+        return list(self._spec.params)
 
     @property
     def grad(self) -> dict[str, Tensor]:
@@ -867,34 +340,7 @@ class PerSample:
                 f"per_sample: {key!r} was not requested; pass quantities=(..., {quantity!r}) "
                 f"(requested: {', '.join(self.quantities)})"
             )
-        if self._results is None:
-            self._results = self._finish()
-        return self._results[key]
-
-    def _finish(self) -> dict[str, object]:
-        n = self.batch_size
-        if self._failed:
-            raise GradtapError(
-                "per_sample: no per-sample gradients could be computed for "
-                + "; ".join(self._failed.values())
-                + ". Leave these parameters out with select=, or make the forward one a replay "
-                "can repeat (eval mode, arguments not modified in place)"
-            )
-        if n is None or not (self._grad or self._norm_sq or self._sum_sq or self._total):
-            raise GradtapError(
-                "per_sample: no per-sample gradient was computed yet; read the results after "
-                "a forward and backward pass inside the `with gt.per_sample(...)` block"
-            )
-        if self._problems:
-            shared = sorted({q for q in self._problems})
-            raise GradtapError(
-                "per_sample: the parameters "
-                f"{', '.join(shared)} got per-sample gradients from more than one backward pass "
-                "since the start or the last ps.clear(), after their norms/statistics were "
-                "already reduced; call ps.clear() before each forward, or add 'grad' to quantities"
-            )
-        return results(self._params, n, self.quantities, self._grad, self._norm_sq,
-                       self._sum_sq, self._total)
+        return self._totals.results(self.batch_size)[key]
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -907,11 +353,7 @@ class PerSample:
         """Remove every hook; results stay readable. Safe to call twice."""
         self._tap.remove()
         self._hooks.remove()
-        for module in self._forwards:
-            vars(module).pop("forward", None)
-        self._forwards = []
-        while self._swapped:
-            _put_back(self._swapped.pop()[1])
+        self._own.remove()
 
     def __enter__(self) -> PerSample:
         return self
@@ -920,61 +362,9 @@ class PerSample:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"<PerSample {len(self._params)} parameters in {len(self._owners)} modules, "
+        spec = self._spec
+        return (f"<PerSample {len(spec.params)} parameters in {len(spec.owners)} modules, "
                 f"quantities={self.quantities}>")
-
-
-def _sums(compute: Compute, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``sum_n g_n`` of one call's per-sample gradients ``grads``: from the rule's batch
-    gradient where that costs less than a pass over them (Linear without sequence dims,
-    Embedding), else summed."""
-    if isinstance(compute, RuleCompute) and compute.total_is_cheap(grads):
-        return compute.total()
-    return {rel: g.sum(0) for rel, g in grads.items()}
-
-
-def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:
-    """Undo ``_own_before``: the modules hold their parameters again."""
-    for module, rel, p in swaps:
-        cast(dict[str, Any], module._parameters)[rel] = p
-
-
-class _OwnCall:
-    """What a rule's own forward read during one call (``own_grad``): forward tensors and
-    the gradients w.r.t. some of its intermediate tensors."""
-
-    def __init__(self, hooks: HookSet, detach: frozenset[str]) -> None:
-        self.detach = detach
-        self._hooks = hooks
-        self._kept: dict[str, Tensor] = {}
-        self._grads: dict[str, Tensor] = {}
-
-    def detached(self, name: str, p: Tensor) -> Tensor:
-        return p.detach() if name in self.detach else p
-
-    def keep(self, key: str, t: Tensor) -> None:
-        self._kept[key] = t.detach()
-
-    def watch(self, key: str, t: Tensor) -> None:
-        grads = self._grads
-
-        def seen(g: Tensor) -> None:
-            grads[key] = g if key not in grads else grads[key] + g
-
-        self._hooks.gradient(t, seen)
-
-    @property
-    def kept(self) -> dict[str, Tensor]:
-        return self._kept
-
-    def release(self) -> None:
-        """Drop what was read (the hooks on the graph outlive the call's record)."""
-        self._kept.clear()
-        self._grads.clear()
-
-    @property
-    def grads(self) -> dict[str, Tensor]:
-        return self._grads
 
 
 def _own_forward(ref: weakref.ref[PerSample], name: str, module: nn.Module, forward: Any,
@@ -1003,13 +393,6 @@ def _call(ref: weakref.ref[PerSample], method: str, *args: object) -> None:
     obj = ref()
     if obj is not None:
         getattr(obj, method)(*args)
-
-
-def _call_kw(ref: weakref.ref[PerSample], method: str, name: str, module: nn.Module,
-             args: tuple, kwargs: dict[str, Any]) -> None:
-    obj = ref()
-    if obj is not None:
-        getattr(obj, method)(name, module, args, kwargs)
 
 
 def per_sample(

@@ -1,0 +1,361 @@
+"""``own_grad=True``: calls that use the selected parameters detached, and their share of ``.grad``.
+
+A selected parameter is ownable when every module that holds it has a rule (no
+parametrization, not inside a module without a rule, whose replay would cover it):
+:func:`find_ownable`. A call of such a module is owned when it builds a graph, has one row
+per sample in its first tensor argument and an argument that requires grad: an
+always-called forward pre-hook puts detached parameters into the module for the call (its
+forward hook puts the parameters back), so autograd skips their batch weight gradients; a
+rule with a forward of its own (``MultiheadAttention``) runs instead of the module's, with
+an :class:`~gradtap._per_sample.rule.OwnCall` that keeps what it reads. When an owned call's
+record comes in backward, its per-sample quantities are computed as for any record, and
+their sum (times ``1/N`` for a mean loss) is the call's share of ``.grad``, added at the end
+of the backward (:meth:`OwnGrad.write`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from gradtap._per_sample.accumulate import Step
+from gradtap._per_sample.check import sums
+from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
+from gradtap._per_sample.fallback import CannotReplay
+from gradtap._per_sample.owners import Owner, rows
+from gradtap._per_sample.rule import OwnCall
+from gradtap._per_sample.spec import Spec
+from gradtap.capture import HookSet, current_backward, in_recomputation
+from gradtap.errors import GradtapError
+from gradtap.record import GradRecord, flatten_tensors
+
+__all__ = ["OwnGrad", "find_ownable", "lost_error"]
+
+#: A rule's own forward: ``(module, args, kwargs, call) -> output``, ``None`` to decline.
+OwnForward = Callable[[nn.Module, tuple, dict, OwnCall], Any]
+
+# Module -> the OwnGrad whose hooks may own its calls: one at a time, or a second one would
+# detach the parameters the first put back, and both would add the module's share to .grad.
+_CLAIMS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OwnGrad]] = weakref.WeakKeyDictionary()
+
+
+def find_ownable(spec: Spec) -> dict[str, frozenset[str]]:
+    """Owner name -> the parameters (relative names) its calls use detached: every module
+    that holds them has a rule (not a parametrization, not inside a module without a rule,
+    whose replay would cover them)."""
+    owners = spec.owners
+    ruleless = [o.name for o in owners.values() if o.entry is None]
+
+    def has_rule(name: str) -> bool:
+        owner = owners[name]
+        return (owner.entry is not None and not owner.parametrized
+                and not any(r == "" or name.startswith(r + ".") for r in ruleless))
+
+    ownable: dict[str, frozenset[str]] = {}
+    for name, owner in owners.items():
+        if not has_rule(name):
+            continue
+        assert owner.entry is not None
+        if owner.rule is not None:
+            rels = dict(owner.direct)
+        elif owner.entry.own_forward is not None:
+            rels = {**owner.direct, **{rel: q for rel, (q, _) in owner.nested.items()}}
+        else:
+            continue
+        rels = {rel: q for rel, q in rels.items()
+                if all(has_rule(o) for o in spec.owners_of.get(q, ()))}
+        if rels:
+            ownable[name] = frozenset(rels)
+    return ownable
+
+
+class OwnGrad:
+    """The owned calls of one ``per_sample`` and their shares of ``.grad`` (none without
+    ``own_grad``)."""
+
+    def __init__(self, spec: Spec, hooks: HookSet, enabled: bool) -> None:
+        self._spec = spec
+        self._hooks = hooks
+        self.ownable = find_ownable(spec) if enabled else {}
+        self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
+        self._forwards: list[nn.Module] = []  # modules whose instance forward is a rule's
+        self._claimed: list[nn.Module] = []  # modules in _CLAIMS for this one
+        self.clear()
+
+    # -- lifetimes --------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget every call (``ps.clear()``)."""
+        self._pending: dict[str, object] = {}  # owner -> its call now running, owned
+        self.new_group()
+        self.new_backward()
+
+    def new_group(self) -> None:
+        """A new forward group: an owned call no backward reached is dropped."""
+        # (owner, call) -> what an owned call read
+        self._calls: dict[tuple[str, int], object] = {}
+
+    def new_backward(self) -> None:
+        """Forget the last backward's shares (written already)."""
+        self._shares: dict[str, Tensor] = {}  # what this backward adds to .grad
+        self._lost: dict[str, str] = {}  # qual -> why its share is unknown
+        self._autograd_seen: set[str] = set()  # got a gradient from autograd too
+
+    # -- installing -------------------------------------------------------------------------
+
+    def claim(self) -> list[tuple[str, nn.Module, OwnForward | None]]:
+        """The modules whose calls may be owned, with their rule's own forward, claimed until
+        :meth:`remove`; a module whose ``forward`` is set on the instance already is left
+        alone.
+
+        Raises:
+            ValueError: another open ``per_sample(own_grad=True)`` owns calls of one of them
+                (both would detach its parameters and add its share to ``.grad``).
+        """
+        found = []
+        for name in self.ownable:
+            owner = self._spec.owners[name]
+            other = _CLAIMS.get(owner.module)
+            if other is not None and other() is not None:
+                raise ValueError(
+                    f"per_sample(own_grad=True): module {name!r} "
+                    f"({type(owner.module).__name__}) already has its calls' share of .grad "
+                    "computed by another open per_sample(own_grad=True); remove that one (leave "
+                    "its with block) before opening this one"
+                )
+            assert owner.entry is not None
+            forward = owner.entry.own_forward
+            if forward is not None and "forward" in vars(owner.module):
+                continue
+            found.append((name, owner.module, forward))
+        me = weakref.ref(self)
+        for _, module, _ in found:
+            _CLAIMS[module] = me
+            self._claimed.append(module)
+        return found
+
+    def replace_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        """Run ``forward`` for ``module``'s calls until :meth:`remove`."""
+        module.forward = forward
+        self._forwards.append(module)
+
+    def remove(self) -> None:
+        """The modules get back their forwards and their parameters, and are free to claim.
+        Safe to call twice."""
+        for module in self._claimed:
+            ref = _CLAIMS.get(module)
+            if ref is not None and ref() is self:
+                del _CLAIMS[module]
+        self._claimed = []
+        for module in self._forwards:
+            vars(module).pop("forward", None)
+        self._forwards = []
+        while self._swapped:
+            _put_back(self._swapped.pop()[1])
+
+    # -- forward side -----------------------------------------------------------------------
+
+    def may_own(self, name: str, args: tuple, kwargs: dict[str, Any], n: int | None) -> bool:
+        """Whether this call's selected parameters are used detached: a forward that builds a
+        graph, one row per sample (``n``; ``None`` while per_sample replays) in the first
+        tensor argument, and a tensor argument that requires grad (so that the output still
+        does). A checkpoint's recomputation in backward repeats the forward's choice (it must
+        save the same tensors): a call of a module whose owned calls are still pending is
+        owned again."""
+        if not n or not torch.is_grad_enabled():
+            return False
+        if current_backward() is not None and not (
+                in_recomputation() and any(o == name for o, _ in self._calls)):
+            return False
+        tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
+        return (bool(tensors) and rows(tensors[0], self._spec.batch_dim) == n
+                and any(t.requires_grad for t in tensors))
+
+    def before(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],
+               n: int | None) -> None:
+        """A call of ``name`` starts: detach its parameters if it is owned."""
+        swaps: list[tuple[nn.Module, str, Tensor]] = []
+        if self.may_own(name, args, kwargs, n):
+            held = cast(dict[str, Any], module._parameters)
+            for rel in self.ownable[name]:
+                p = held.get(rel)
+                if p is not None:
+                    swaps.append((module, rel, p))
+                    held[rel] = p.detach()
+            self._pending[name] = frozenset(rel for _, rel, _ in swaps)
+        self._swapped.append((name, swaps))
+
+    def after(self, name: str) -> None:
+        """A call of ``name`` returned: its module holds its parameters again."""
+        self._pending.pop(name, None)  # not seen by the tap: not owned
+        if self._swapped and self._swapped[-1][0] == name:
+            _put_back(self._swapped.pop()[1])
+
+    def forward_call(self, name: str, module: nn.Module, forward: OwnForward, args: tuple,
+                     kwargs: dict[str, Any], n: int | None) -> Any:
+        """Run one call of ``module`` whose rule has a forward of its own: that one when the
+        call is owned and the rule takes it, else the module's."""
+        if self.may_own(name, args, kwargs, n):
+            call = _OwnCall(self._hooks, self.ownable[name])
+            out = forward(module, args, kwargs, call)
+            if out is not None:
+                self._pending[name] = call
+                return out
+        return type(module).forward(module, *args, **kwargs)
+
+    def called(self, name: str, call: int) -> None:
+        """The tap saw call ``call`` of ``name``: an owned one waits for its record."""
+        if self._pending:
+            own = self._pending.pop(name, None)
+            if own is not None:
+                self._calls[(name, call)] = own
+
+    # -- backward side ----------------------------------------------------------------------
+
+    def take(self, name: str, call: int) -> object | None:
+        """What owned call ``call`` of ``name`` read, or ``None`` when it was not owned."""
+        return self._calls.pop((name, call), None) if self._calls else None
+
+    def autograd_added(self, qual: str) -> None:
+        """Autograd computed a gradient of ``qual`` too (a use outside the owned calls)."""
+        self._autograd_seen.add(qual)
+
+    def record(self, owner: Owner, rec: GradRecord, own: object, n: int, step: Step) -> None:
+        """An owned call's record: its per-sample results into ``step``, and its share of
+        ``.grad`` (their sum), which autograd did not compute."""
+        rels: frozenset[str] = own.detach if isinstance(own, _OwnCall) else cast(frozenset, own)
+        names = {rel: q for rel, q in {**owner.direct, **{r: q for r, (q, _) in
+                                                           owner.nested.items()}}.items()
+                 if rel in rels}
+        if not names:
+            return
+        if all(g is None for g in rec.grad_inputs.values()) and not isinstance(own, _OwnCall):
+            return  # no gradient went through the call
+        if rec.notes:
+            self._lost.update({q: f"{rec.module_name!r}: {'; '.join(rec.notes)}"
+                               for q in names.values()})
+            return
+        spec = self._spec
+        scale, c = spec.scale(n), spec.share(n)
+        materialize = spec.materialize(owner, names)
+        try:
+            with torch.no_grad():
+                compute = self._compute(owner, rec, own, names, scale, materialize, n)
+                if compute is None:
+                    return
+                if materialize:
+                    grads = compute.grads()
+                    totals = sums(compute, grads)
+                    step.add_grads(names, grads, {
+                        rel: spec.sketches.project(names[rel], t) for rel, t in totals.items()})
+                else:
+                    totals = compute.total()
+                shares = {}
+                for rel, g in totals.items():
+                    q = names[rel]
+                    g = (g * c).to(spec.params[q].dtype)
+                    shares[q] = g
+                    self._shares[q] = g if q not in self._shares else self._shares[q] + g
+                    step.add_increment(q, g)
+                if not materialize:
+                    step.add_reduced(names, compute, rec, scale, shares)
+        except CannotReplay as err:
+            self._lost.update({q: f"{rec.module_name!r}: {err}" for q in names.values()})
+            return
+        finally:
+            if isinstance(own, _OwnCall):
+                own.release()
+        owner.seen.update(names)
+
+    def _compute(self, owner: Owner, rec: GradRecord, own: object, names: dict[str, str],
+                 scale: float, materialize: bool, n: int) -> Compute | None:
+        """How to compute an owned call's quantities; ``None`` when no gradient went
+        through the call."""
+        if isinstance(own, _OwnCall):
+            entry = owner.entry
+            assert entry is not None and entry.own_pieces is not None
+            pieces = entry.own_pieces(owner.module, own, rec.grad_outputs, scale)
+            if pieces is None:
+                if all(g is None for g in rec.grad_outputs.values()):
+                    return None
+                raise CannotReplay("a gradient the call's own forward waited for "
+                                   "was not computed")
+            return PiecesCompute(pieces, frozenset(names))
+        if all(g is None for g in rec.grad_outputs.values()):
+            raise CannotReplay("its output gradient was not recorded")
+        return compute_for(owner, rec, scale, frozenset(names), materialize, n,
+                           self._spec.batch_dim)
+
+    def owned_only(self) -> set[str]:
+        """The parameters whose every use this backward was owned: their ``.grad``
+        increments are the sums of their per-sample gradients by construction."""
+        return set(self._shares) - self._autograd_seen
+
+    def write(self) -> dict[str, str]:
+        """Add this backward's shares to ``.grad`` (as autograd accumulates); returns the
+        parameters whose share could not be computed (qual -> module and why)."""
+        with torch.no_grad():
+            for q, g in self._shares.items():
+                p = self._spec.params[q]
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        return dict(self._lost)
+
+
+def lost_error(lost: dict[str, str]) -> GradtapError:
+    """The error for shares of ``.grad`` that could not be computed (``write``)."""
+    return GradtapError(
+        "per_sample(own_grad=True): the gradients of "
+        + "; ".join(f"{q} (module {why})" for q, why in lost.items())
+        + " could not be computed from their calls, so their .grad misses those "
+        "calls' share; use own_grad=False for this model")
+
+
+def _put_back(swaps: list[tuple[nn.Module, str, Tensor]]) -> None:
+    """Undo :meth:`OwnGrad.before`: the modules hold their parameters again."""
+    for module, rel, p in swaps:
+        cast(dict[str, Any], module._parameters)[rel] = p
+
+
+class _OwnCall:
+    """What a rule's own forward read during one call (``own_grad``): forward tensors and
+    the gradients w.r.t. some of its intermediate tensors."""
+
+    def __init__(self, hooks: HookSet, detach: frozenset[str]) -> None:
+        self.detach = detach
+        self._hooks = hooks
+        self._kept: dict[str, Tensor] = {}
+        self._grads: dict[str, Tensor] = {}
+
+    def detached(self, name: str, p: Tensor) -> Tensor:
+        return p.detach() if name in self.detach else p
+
+    def keep(self, key: str, t: Tensor) -> None:
+        self._kept[key] = t.detach()
+
+    def watch(self, key: str, t: Tensor) -> None:
+        grads = self._grads
+
+        def seen(g: Tensor) -> None:
+            grads[key] = g if key not in grads else grads[key] + g
+
+        self._hooks.gradient(t, seen)
+
+    @property
+    def kept(self) -> dict[str, Tensor]:
+        return self._kept
+
+    def release(self) -> None:
+        """Drop what was read (the hooks on the graph outlive the call's record)."""
+        self._kept.clear()
+        self._grads.clear()
+
+    @property
+    def grads(self) -> dict[str, Tensor]:
+        return self._grads

@@ -1,0 +1,85 @@
+"""What one ``gt.per_sample`` resolves when it starts, and reads unchanged until it is removed.
+
+:class:`Spec` checks the arguments, selects the parameters, resolves the module that owns each
+(``owners``) and which checks are sketched (``sketch``), and gives the factors and choices
+that depend only on them: the loss reduction's scale, whether a call's per-sample gradients
+must be built. The collaborators of :class:`~gradtap._per_sample.api.PerSample` share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, cast, get_args
+
+from torch import nn
+
+from gradtap._per_sample.owners import Owner, resolve_owners
+from gradtap._per_sample.results import STATS
+from gradtap._per_sample.sketch import Sketches
+from gradtap._types import Selector
+from gradtap.errors import SelectionError
+from gradtap.select import select_module_parameters, unwrap_model
+
+__all__ = ["QUANTITIES", "LossReduction", "Quantity", "Spec"]
+
+Quantity = Literal["grad", "norm", "variance", "second_moment", "snr"]
+LossReduction = Literal["mean", "sum"]
+QUANTITIES: tuple[str, ...] = get_args(Quantity)
+
+
+class Spec:
+    """The checked arguments of one ``per_sample``, its parameters and their owners."""
+
+    def __init__(self, model: nn.Module, select: Selector, loss_reduction: LossReduction,
+                 batch_dim: int, quantities: Iterable[Quantity], fallback: bool) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(f"batch_dim must be a non-negative int; got {batch_dim!r}")
+        asked: tuple[str, ...] = ((quantities,) if isinstance(quantities, str)
+                                  else tuple(quantities))
+        unknown = [q for q in asked if q not in QUANTITIES]
+        if unknown or not asked:
+            raise ValueError(
+                f"quantities must be a non-empty subset of {QUANTITIES}; got {asked!r}"
+            )
+        self.loss_reduction = loss_reduction
+        self.batch_dim = batch_dim
+        self.quantities: tuple[Quantity, ...] = cast(tuple[Quantity, ...], asked)  # checked
+        self.want_grad = "grad" in asked
+        self.want_norm = "norm" in asked
+        self.want_stats = bool(STATS & set(asked))
+        self.want_var = bool({"variance", "snr"} & set(asked))
+
+        # Named as the user's model (no DDP or compile prefixes).
+        self.model = unwrap_model(model)
+        params = select_module_parameters(self.model, select)
+        self.params = {n: p for n, p in params if p.requires_grad}
+        if not self.params:
+            raise SelectionError(
+                f"select={select!r} matches only parameters that do not require grad: "
+                f"{', '.join(n for n, _ in params)}"
+            )
+        self.fallback = fallback
+        self.owners = resolve_owners(self.model, self.params, batch_dim, fallback)
+        self.sketches = Sketches(self.params, self.owners)
+        self.use_count = {q: sum(q in o.direct.values() for o in self.owners.values())
+                          for q in self.params}
+        self.owners_of: dict[str, list[str]] = {}  # qualified name -> names of its owners
+        for owner in self.owners.values():
+            for qual in owner.direct.values():
+                self.owners_of.setdefault(qual, []).append(owner.name)
+
+    def scale(self, n: int) -> float:
+        """The factor from a record's gradients (of the loss) to those of each sample's term."""
+        return float(n) if self.loss_reduction == "mean" else 1.0
+
+    def share(self, n: int) -> float:
+        """The factor from the sum of the per-sample gradients to ``.grad`` (``1/N`` or 1)."""
+        return 1.0 / n if self.loss_reduction == "mean" else 1.0
+
+    def materialize(self, owner: Owner, names: dict[str, str]) -> bool:
+        """Whether one call's per-sample gradients of ``names`` (relative -> qualified) must be
+        built: asked for, or summed with those of other calls (norms of a sum do not add up)."""
+        return (self.want_grad or owner.calls > 1 or bool(owner.seen & set(names))
+                or any(self.use_count.get(q, 1) > 1 for q in names.values()))
