@@ -215,7 +215,8 @@ def _no_match_either(glob: str, modules: list[str], params: list[str]) -> str:
         close[what] = difflib.get_close_matches(glob, [n for n in names if n], n=5, cutoff=0.5)
     hints = [f"closest {what} names: {', '.join(c)}" for what, c in close.items() if c]
     if not hints:
-        hints.append(f"parameter names: {_preview(params)}")
+        return (f"select={glob!r} matches no module or parameter: it matches no parameter "
+                f"name and no module name (parameter names: {_preview(params)})")
     what = "module or parameter" if close["module"] else "parameter"
     return f"select={glob!r} matches no {what}; {'; '.join(hints)}"
 
@@ -288,5 +289,3 @@ def clean_name(name: str) -> str:
         return name
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
-
-select_module_parameters = select_parameters  # MERGE-TODO: remove once per_sample imports select_parameters

@@ -82,6 +82,7 @@ class PerSample:
         self.quantities: tuple[Quantity, ...] = spec.quantities
         self.own_grad = bool(own_grad)
         self._hooks = HookSet()
+        self._hooks.add_cleanup(spec.session.attach().detach)
         self._own = OwnGrad(spec, self._hooks, self.own_grad)
         self._replays = Replays(spec)
         self._busy = False  # per_sample computes: see _computing

@@ -17,8 +17,9 @@ from gradtap._per_sample.owners import Owner, resolve_owners
 from gradtap._per_sample.results import STATS
 from gradtap._per_sample.sketch import Sketches
 from gradtap._types import Selector
+from gradtap.capture import session
 from gradtap.errors import SelectionError
-from gradtap.select import select_module_parameters, unwrap_model
+from gradtap.select import select_parameters
 
 __all__ = ["QUANTITIES", "LossReduction", "Quantity", "Spec"]
 
@@ -52,8 +53,9 @@ class Spec:
         self.want_var = bool({"variance", "snr"} & set(asked))
 
         # Named as the user's model (no DDP or compile prefixes).
-        self.model = unwrap_model(model)
-        params = select_module_parameters(self.model, select)
+        self.session = session(model, "per_sample()")
+        self.model = self.session.root
+        params = select_parameters(self.model, select)
         self.params = {n: p for n, p in params if p.requires_grad}
         if not self.params:
             raise SelectionError(
