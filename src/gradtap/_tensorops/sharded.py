@@ -24,8 +24,8 @@ from gradtap._tensorops.l2 import group_sumsq
 
 _T = TypeVar("_T", bound=Tensor | None)
 
-__all__ = ["all_ranks_max", "centered_rows", "is_sharded", "local", "rebuild", "sumsq_whole",
-           "world"]
+__all__ = ["all_ranks_max", "centered_rows", "is_sharded", "local", "rebuild", "row_norms",
+           "sumsq_whole", "world"]
 
 
 def is_sharded(t: object) -> bool:
@@ -159,6 +159,34 @@ def centered_rows(t: Tensor) -> Tensor:
         sums = _all_reduce(sums, dist.ReduceOp.SUM, t.device_mesh.get_group(d))  # type: ignore[attr-defined]
     count = math.prod(t.shape[1:])
     return rebuild(t, part - (sums / count).to(part.dtype))
+
+
+def row_norms(t: Tensor, acc: torch.dtype) -> Tensor:
+    """L2 norm of each row (over every dimension but the first) of the whole tensor, in
+    ``acc``, shaped like this rank's rows with size-1 trailing dimensions (``keepdim``). A
+    sharded tensor's squares are summed across the mesh dimensions that shard a dimension
+    other than the first (sharded by rows only, FSDP2's default, nothing is communicated).
+
+    Example:
+        >>> import torch
+        >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 2.0]]), torch.float32)
+        tensor([[5.],
+                [2.]])
+    """
+    dims = tuple(range(1, t.dim()))
+    if not is_sharded(t):
+        return torch.linalg.vector_norm(t, dim=dims, keepdim=True, dtype=acc)
+    import torch.distributed as dist
+
+    part = local(t)
+    across = [i for i, p in enumerate(t.placements)  # type: ignore[attr-defined]
+              if p.is_shard() and p.dim % t.dim() != 0]
+    if not across:
+        return torch.linalg.vector_norm(part, dim=dims, keepdim=True, dtype=acc)
+    sums = part.to(acc).square().sum(dim=dims, keepdim=True)
+    for d in across:
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, t.device_mesh.get_group(d))  # type: ignore[attr-defined]
+    return sums.sqrt()
 
 
 def all_ranks_max(values: Tensor) -> Tensor:

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gradtap._transform.apply import install
+from gradtap._transform.base import factor_fn
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
@@ -85,6 +86,33 @@ class TransformHandle:
         modules that no rule matched are absent.
         """
         return self._plan.labels()
+
+    @property
+    def last_factors(self) -> dict[str, Tensor]:
+        """What the spike rules did at the last step: ``{name: factor}``.
+
+        For each parameter (or slot) whose rule holds a spike-control transform (``zclip``,
+        ``adagc``, ``agc``, ``adagn``, ``spam_clip``; the product when a chain holds
+        several), the factor its gradient was multiplied by the last time the rule ran on it:
+        a 0-dim tensor on the device, 1.0 where the rule left it alone (and before the first
+        step); for the unit- and element-wise rules the ratio of its norms after/before.
+        Reading it does not sync with the host; ``float()`` on a value does.
+
+        Example:
+            >>> import torch, gradtap as gt
+            >>> net = torch.nn.Linear(2, 1)
+            >>> h = gt.transform(net, {"weight": gt.zclip(warmup=1, max_norm=0.5)})
+            >>> net(torch.tensor([[3.0, 4.0]])).sum().backward()   # warm-up, norm 5 > 0.5
+            >>> {n: round(float(f), 4) for n, f in h.last_factors.items()}
+            {'weight': 0.1}
+            >>> h.remove()
+        """
+        out: dict[str, Tensor] = {}
+        for name, entry in self._states.entries.items():
+            fn = factor_fn(entry.transform)
+            if fn is not None:
+                out[name] = fn(entry.state)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Return a copy of every transform state, keyed by parameter name or slot.
