@@ -87,27 +87,25 @@ def whole_norms(grads: Sequence[Tensor], what: str, device: torch.device) -> Ten
     return out
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def scale_by(grads: Sequence[Tensor], factors: Tensor) -> list[Tensor]:
     """New gradients: ``grads[i] * factors[i]`` (``factors`` a vector), or each times the one
     0-dim ``factors``. The factor is applied in float32 or wider; the result keeps each
-    gradient's dtype, and a sharded gradient stays sharded."""
-    out: list[Tensor] = []
-    cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-    def cast(device: torch.device, dtype: torch.dtype) -> Tensor:
-        key = (device, dtype)
-        if key not in cache:
-            cache[key] = factors.to(device=device, dtype=dtype)
-        return cache[key]
-
-    for i, g in enumerate(grads):
-        part = local(g)
-        f = cast(part.device, _compute_dtype(part))
-        out.append(rebuild(g, part * (f if f.dim() == 0 else f[i])))
+    gradient's dtype, and a sharded gradient stays sharded. One ``torch._foreach_mul`` per
+    device and dtype."""
+    sharded = any(is_sharded(g) for g in grads)
+    parts = [local(g) for g in grads] if sharded else list(grads)
+    groups = group_by_device_dtype(parts)
+    out: list[Any] = [None] * len(parts)
+    for (device, dtype), idx in groups.items():
+        f = factors.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
+        if len(groups) == 1:
+            group, fs = parts, f
+        else:
+            group = [parts[i] for i in idx]
+            fs = f if f.dim() == 0 else f[torch.as_tensor(idx, device=device)]
+        new = torch._foreach_mul(group, fs if fs.dim() == 0 else list(fs.unbind()))
+        for i, t in zip(idx, new, strict=True):
+            out[i] = rebuild(grads[i], t) if sharded else t
     return out
 
 

@@ -104,15 +104,25 @@ def agc(clip: float = 0.01, eps: float = 1e-3) -> Transform:
             raise ValueError("agc compares a gradient with its parameter's weights; it applies "
                              "to parameter gradients only (on='param_grad')")
         grads = list(grads)
+        if not grads:
+            return [], list(states)
         ws = [p.detach() for p in params if p is not None]
         both = unit_norms([*ws, *grads])
         news = []
+        sums = []
         for g, wn, gn in zip(grads, both[: len(ws)], both[len(ws):], strict=True):
             bound = c * wn.clamp(min=e)
             f = torch.where(gn > bound, bound / gn.clamp(min=_AGC_MIN_NORM), 1.0)
             part = local(g)
             news.append(rebuild(g, (part * f.to(part.device)).to(g.dtype)))
-        return news, _ratios(grads, news, states, "agc")
+            # the tensor's squared norms before and after, from its units' norms
+            sums.append(torch.stack([gn.square().sum(), (f * gn).square().sum()]))
+        if any(is_sharded(g) for g in grads):  # units on other ranks: whole-tensor norms
+            return news, _ratios(grads, news, states, "agc")
+        device = states[0]["factor"].device
+        pairs = torch.stack([t.to(device) for t in sums]).to(states[0]["factor"].dtype)
+        f = torch.where(pairs[:, 0] > 0, (pairs[:, 1] / pairs[:, 0]).sqrt(), 1.0)
+        return news, [{"factor": k} for k in f.unbind()]
 
     def update(grad: Tensor, state: State, param: Tensor | None, /,
                **extra: Any) -> tuple[Tensor, State]:
@@ -166,9 +176,9 @@ def spam_clip(threshold: float = 5000) -> Transform:
             )
         part = local(g)
         acc = _acc(part)
-        x = part.to(acc)
-        limit = local(st["exp_avg_sq"]).to(device=part.device, dtype=acc) * bound
-        out = torch.where(x * x > limit, x.sign() * limit.sqrt(), x)
+        # g**2 > threshold * v  <=>  |g| > sqrt(threshold * v) =: s; such g become sign(g) s
+        s = (local(st["exp_avg_sq"]).to(device=part.device, dtype=acc) * bound).sqrt_()
+        out = torch.clamp(part.to(acc), min=torch.neg(s), max=s)
         return rebuild(g, out.to(g.dtype))
 
     def update_many(grads: Sequence[Tensor], states: Sequence[State], params: Params, /,
