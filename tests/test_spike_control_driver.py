@@ -215,6 +215,58 @@ def test_checkpoint_resume_reproduces_the_straight_run():
         assert all(torch.equal(a[n], b[n]) for n in a), s
 
 
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(3, 4).double()
+        self.a = torch.nn.Linear(4, 1).double()
+        self.b = torch.nn.Linear(4, 1).double()
+
+    def forward(self, x, head):
+        return getattr(self, head)(torch.tanh(self.body(x)))
+
+
+def test_accumulate_transforms_what_each_backward_reached_as_one_by_one():
+    # Two backwards per step; the second does not reach head b. At when="accumulate" a
+    # per-tensor rule transforms, after each backward, the running sum of the parameters it
+    # reached, exactly as a post-accumulate hook per parameter would.
+    from tests._spike_oracles import adagn_ref
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        return [(torch.randn(5, 3, generator=g, dtype=torch.float64), head) for head in "ab"]
+
+    net = TwoHeads()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with gt.transform(net, {"*": gt.adagn()}) as h:
+        for step in range(4):
+            for x, head in batches(step):
+                net(x, head).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        counts = {n: e.state["count"] for n, e in h._states.entries.items()}
+    assert counts == {"body.weight": 8, "body.bias": 8, "a.weight": 4, "a.bias": 4,
+                      "b.weight": 4, "b.bias": 4}
+
+    ref_net = TwoHeads()
+    ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+    refs = {n: (adagn_ref(), 0) for n, _ in ref_net.named_parameters()}
+    for step in range(4):
+        for x, head in batches(step):
+            ref_net(x, head).pow(2).sum().backward()
+            for n, p in ref_net.named_parameters():
+                reached = n.startswith("body") or n.startswith(head)
+                if reached:
+                    ref, t = refs[n]
+                    ref(t, [(n, p)], None)
+                    refs[n] = (ref, t + 1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+
+
 def test_other_moments_and_activation_gradients():
     # when="backward": each call's contribution; on="grad_output": an activation's gradient
     net = make_net()

@@ -206,6 +206,12 @@ def transform(
     of those ``.grad`` never exceeds ``max_norm`` between backwards. To clip the sum of the
     micro-batches once, use ``"step"``. ``"backward"`` and activation gradients refuse it.
 
+    The spike-control rules (``zclip``, ``adagc``, ``agc``, ``adagn``, ``spam_clip``) run
+    batched over their rule's parameters: with ``"accumulate"`` at the end of each backward,
+    over the parameters it reached (``zclip`` without ``per_tensor`` and ``adagc`` over all
+    of them, as ``clip_global_norm``); ``spam_clip`` reads the optimizer's ``exp_avg_sq`` and
+    needs ``"step"``. :attr:`TransformHandle.last_factors` says what they did.
+
     Under ``DistributedDataParallel`` and FSDP2 (``fully_shard``) parameter gradients are
     transformed with ``when="step"``: the gradients after the cross-rank reduction (DDP's
     average, the same on every rank; FSDP2's reduce-scattered shards), right before
@@ -246,7 +252,10 @@ def transform(
     Raises:
         SelectionError: a rule matches nothing.
         ValueError: unknown ``when``/``on``, ``when="step"`` without an optimizer,
-            ``clip_global_norm`` with ``when="backward"`` or on activation gradients,
+            ``clip_global_norm`` (or ``zclip`` without ``per_tensor``, ``adagc``) with
+            ``when="backward"`` or on activation gradients, ``agc`` or ``spam_clip`` on
+            activation gradients, ``spam_clip`` without ``when="step"`` and an Adam-like
+            optimizer,
             parameter gradients of a DDP-wrapped or FSDP2 model at another ``when`` than
             ``"step"``; and,
             during backward or step, a
