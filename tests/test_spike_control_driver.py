@@ -267,6 +267,22 @@ def test_accumulate_transforms_what_each_backward_reached_as_one_by_one():
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
 
 
+def test_one_rule_over_tensors_of_several_dtypes():
+    ga, gb = torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)
+    params = [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]
+    t = gt.zclip(warmup=1, max_norm=0.1)  # warm-up step: clip_grad_norm_'s factor
+    (oa, ob), states = t.update_many([ga, gb], [t.init(p) for p in params], params)
+    want = 0.1 / (11 ** 0.5 + 1e-6)
+    assert (oa.dtype, ob.dtype) == (torch.float32, torch.float64)
+    torch.testing.assert_close(oa, ga * want)
+    # the float32 tensor's norm is taken in float32: the shared factor to float32 precision
+    torch.testing.assert_close(ob, gb * want, rtol=1e-6, atol=0)
+    t = gt.zclip(warmup=1, max_norm=0.1, per_tensor=True)
+    (oa, ob), _ = t.update_many([ga, gb], [t.init(p) for p in params], params)
+    torch.testing.assert_close(ob, gb * (0.1 / (8 ** 0.5 + 1e-6)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(oa, ga * (0.1 / (3 ** 0.5 + 1e-6)))
+
+
 def test_other_moments_and_activation_gradients():
     # when="backward": each call's contribution; on="grad_output": an activation's gradient
     net = make_net()

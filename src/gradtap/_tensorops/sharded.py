@@ -110,10 +110,13 @@ def sumsq_whole(tensors: Sequence[Tensor], what: str = "gradtap") -> Tensor:
         return torch.zeros(0, dtype=torch.float64)
     parts = [local(t).detach() for t in tensors]
     device = parts[0].device
-    out = torch.zeros(len(parts), dtype=torch.float64, device=device)
+    # Values are gathered and put back in order by views and stacks, never through an index
+    # tensor made from a Python list (a host-to-device copy, which waits for the device).
+    out: list[Any] = [None] * len(parts)
     for idx in group_by_device_dtype(parts).values():
-        sums = group_sumsq([parts[i] for i in idx])
-        out[torch.as_tensor(idx, device=device)] = sums.to(device)
+        sums = group_sumsq([parts[i] for i in idx]).to(device)
+        for j, i in enumerate(idx):
+            out[i] = sums[j]
     by_sharding: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, t in enumerate(tensors):
         if is_sharded(t):
@@ -124,12 +127,12 @@ def sumsq_whole(tensors: Sequence[Tensor], what: str = "gradtap") -> Tensor:
     import torch.distributed as dist
 
     for (_, dims), (mesh, idx) in by_sharding.items():
-        index = torch.as_tensor(idx, device=device)
-        vec = out[index]
+        vec = torch.stack([out[i] for i in idx])
         for d in dims:
             vec = _all_reduce(vec, dist.ReduceOp.SUM, mesh.get_group(d))
-        out[index] = vec
-    return out
+        for j, i in enumerate(idx):
+            out[i] = vec[j]
+    return torch.stack(out)
 
 
 def centered_rows(t: Tensor) -> Tensor:

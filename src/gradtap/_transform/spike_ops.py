@@ -80,11 +80,14 @@ def whole_norms(grads: Sequence[Tensor], what: str, device: torch.device) -> Ten
     groups = group_by_device_dtype(grads)
     if len(groups) == 1:
         return group_norms(list(grads)).to(device=device, dtype=dtype)
-    out = torch.empty(len(grads), dtype=dtype, device=device)
+    # Put the groups' norms back in order by views and one stack: an index tensor built
+    # from a Python list would be a host-to-device copy, which waits for the device.
+    out: list[Any] = [None] * len(grads)
     for idx in groups.values():
-        out[torch.as_tensor(idx, device=device)] = group_norms([grads[i] for i in idx]).to(
-            device=device, dtype=dtype)
-    return out
+        norms = group_norms([grads[i] for i in idx]).to(device=device, dtype=dtype)
+        for j, i in enumerate(idx):
+            out[i] = norms[j]
+    return torch.stack(out)
 
 
 def scale_by(grads: Sequence[Tensor], factors: Tensor) -> list[Tensor]:
@@ -98,12 +101,12 @@ def scale_by(grads: Sequence[Tensor], factors: Tensor) -> list[Tensor]:
     out: list[Any] = [None] * len(parts)
     for (device, dtype), idx in groups.items():
         f = factors.to(device=device, dtype=torch.promote_types(dtype, torch.float32))
-        if len(groups) == 1:
-            group, fs = parts, f
+        group = parts if len(groups) == 1 else [parts[i] for i in idx]
+        if f.dim() == 0:
+            new = torch._foreach_mul(group, f)
         else:
-            group = [parts[i] for i in idx]
-            fs = f if f.dim() == 0 else f[torch.as_tensor(idx, device=device)]
-        new = torch._foreach_mul(group, fs if fs.dim() == 0 else list(fs.unbind()))
+            new = torch._foreach_mul(group, list(f.unbind()) if len(groups) == 1
+                                     else [f[i] for i in idx])
         for i, t in zip(idx, new, strict=True):
             out[i] = rebuild(grads[i], t) if sharded else t
     return out
