@@ -39,8 +39,8 @@ APPLICATION_ID = 0x67747031
 
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
 ALL_STAT_NAMES = (
-    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac", "ratio", "cosine",
-    "amp_scale",
+    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac", "rms", "ratio",
+    "cosine", "amp_scale",
 )  # fmt: skip
 
 _SCHEMA = """

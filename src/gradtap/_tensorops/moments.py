@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 STAT_NAMES: tuple[str, ...] = (
-    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac",
+    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac", "rms",
 )  # fmt: skip
 #: Fields combined across parts by summing (``hist`` too) and by taking the maximum.
 SUM_FIELDS: tuple[str, ...] = ("sum", "sumsq", "m2", "nonfinite", "nonzero")
@@ -240,7 +240,7 @@ def needs_for(stats: Iterable[str], *, exact_nonfinite: bool = False) -> Needs:
     std = "std" in s
     return Needs(
         sum="mean" in s or std,
-        sumsq="norm" in s or std,
+        sumsq=bool(s & {"norm", "rms"}) or std,
         std=std,
         minmax=bool(s & {"absmax", "min", "max"}) or ("nonfinite" in s and not exact_nonfinite),
         nonfinite="nonfinite" in s and exact_nonfinite,
