@@ -40,7 +40,7 @@ APPLICATION_ID = 0x67747031
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
 ALL_STAT_NAMES = (
     "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac", "rms", "ratio",
-    "cosine", "amp_scale",
+    "cosine", "amp_scale", "gain", "gns", "gns_trace", "gns_sqnorm", "value",
 )  # fmt: skip
 
 _SCHEMA = """
