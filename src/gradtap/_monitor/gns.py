@@ -218,7 +218,7 @@ class NoiseScale:
             for name, sq in self._local.items():
                 small[self._index[name]] = sq.to(device) / (b_r * b_r if self.reduction == "sum"
                                                             else 1.0)
-            pieces, inv = 1.0, 1.0 / b_r
+            pieces, inv = (1.0, 1.0 / b_r) if self._local else (0.0, 0.0)
         elif self.source == "microbatches":
             sizes = self._microbatch_sizes(batch_size)
             b_r = float(sum(sizes))
@@ -247,7 +247,9 @@ class NoiseScale:
             i = self._index.get(name)
             if i is not None and counts.get(name, False) and g.numel():
                 total[i] = sqnorm(g).to(device)
-        per_rank = 1.0 / b_r if self.reduction == "mean" else b_r
+        # A rank that saw no piece (the Monitor was made after this step's backward) adds
+        # nothing: with no piece anywhere the step's estimates are NaN and the EMAs stay.
+        per_rank = 0.0 if not pieces else 1.0 / b_r if self.reduction == "mean" else b_r
         scalars = torch.tensor([pieces, inv, per_rank], dtype=f64, device=device)
         return red.add_sums(torch.cat([small, total, scalars]),
                             "gns\x01" + "\x01".join(self.names))
@@ -320,9 +322,6 @@ class NoiseScale:
             if len(sizes) != k:
                 raise ValueError(f"mon.step(batch_size=...) lists {len(sizes)} micro-batch "
                                  f"sizes, but this step had {k} backward(s)")
-        if not sizes:
-            raise ValueError("gns_from='microbatches': no backward reached a selected "
-                             "parameter in this step")
         return sizes
 
     # -- checkpoint -----------------------------------------------------------------------------
