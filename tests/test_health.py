@@ -361,6 +361,35 @@ def test_a_backward_that_accumulates_nothing_is_no_microbatch():
     assert run(True) == run(False)
 
 
+@pytest.mark.parametrize("source", ["microbatches", "samples"])
+def test_gns_under_a_grad_scaler_is_that_of_the_unscaled_gradients(source):
+    """The same batches with and without a GradScaler (scale 2^10, parameters fixed): the
+    EMAs are those of the unscaled gradients."""
+    def run(scaled: bool) -> dict[tuple[int, str], float]:
+        net = mlp64().float()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
+        ps = gt.per_sample(net, quantities=("norm",)) if source == "samples" else None
+        mon = gt.Monitor(net, stats=("gns_trace", "gns_sqnorm"), gns_from=source,
+                         per_sample=ps, scaler=scaler, gns_beta=0.5)
+        g = torch.Generator().manual_seed(7)
+        for _ in range(3):
+            for _ in range(2 if source == "microbatches" else 1):
+                x = torch.randn(6, 4, generator=g)
+                loss = F.cross_entropy(net(x), torch.randint(0, 3, (6,), generator=g))
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            mon.step(batch_size=6 if source == "microbatches" else None)
+            net.zero_grad()
+        out = {**values(mon, "gns_trace"), **{(s, n + "/sq"): v
+                                             for (s, n), v in values(mon, "gns_sqnorm").items()}}
+        mon.close()
+        return out
+
+    plain, scaled = run(False), run(True)
+    assert scaled.keys() == plain.keys()
+    for key, value in plain.items():
+        assert scaled[key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
+
+
 def test_gns_state_dict_resumes_the_emas():
     def run(split_at: int | None):
         net = mlp64()
