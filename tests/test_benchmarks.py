@@ -74,6 +74,16 @@ def test_a_block_missing_from_the_docs_is_appended():
     assert out == "# B\n\n## x\n\n<!-- begin x -->\nnew\n<!-- end x -->\n"
 
 
+def test_gns_overhead_quick(capsys):
+    """benchmarks/gns_overhead.py on two gloo ranks: one row with every variant and the spread."""
+    from tests._dist import gloo_available
+
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not in this torch build")
+    table = importlib.import_module("gns_overhead").main(["--quick"]).split("\n\n")[1]
+    assert table.count("\n") == 2 and "+gns ranks / monitor" in table and "spread" in table
+
+
 def test_distributed_quick(capsys):
     """benchmarks/distributed.py on two gloo ranks: a timing row and the collective counts
     (the Monitor's step: two all_reduce, however many kinds)."""

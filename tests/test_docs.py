@@ -169,3 +169,25 @@ def test_readme_is_a_front_door():
         f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail into a "
         "guide in docs/ and link it")
     assert "make test" in README.read_text()  # CI (.ci/run) runs the README's test command
+
+
+def test_critical_batch_size_example_agrees_with_its_oracle():
+    """The worked example of docs/health.md, in its quick form: the noise scale from samples
+    equals the one from torch.func's per-sample gradients, and micro-batches equal ranks (the
+    same halves of each batch, one process or two DDP ranks)."""
+    import importlib
+    import sys
+
+    from tests._dist import gloo_available
+
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not in this torch build")
+    sys.path.insert(0, str(ROOT / "examples"))  # also for the ranks it spawns
+    try:
+        got = list(importlib.import_module("critical_batch_size").main(["--quick"]).values())
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    # float32 gradients; |G|^2 is a difference of nearly equal numbers (B_simple >> B)
+    assert got[0] == pytest.approx(got[3], rel=1e-4)
+    assert got[1] == pytest.approx(got[2], rel=1e-4)
+

@@ -26,12 +26,15 @@ class Tiny(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         self.seen: list[dict[str, float | None]] = []  # the oracle: what each step received
+        self.losses: list[tuple[int, float]] = []  # (optimizer step, training_step's loss)
         self.poison_step = poison_step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
-        return (out - y).pow(2).mean()
+        loss = (out - y).pow(2).mean()
+        self.losses.append((self.trainer.global_step, loss.item()))
+        return loss
 
     def forward(self, x):
         if self.poison_step is not None and self.trainer.global_step == self.poison_step:
@@ -75,7 +78,13 @@ def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_p
     run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
     assert run.steps == [0, 1, 2, 3] and len(model.seen) == 4
     # Clean names: as in the LightningModule, no wrapper prefix.
-    assert sorted(run.names) == sorted(n for n, _ in model.named_parameters())
+    assert sorted(run.names) == sorted([*(n for n, _ in model.named_parameters()), "<loss>"])
+    # The loss Lightning backpropagated in each step: each micro-batch's over
+    # accumulate_grad_batches, summed.
+    steps, losses = run.series("<loss>", "value")
+    expected = [sum(v for s, v in model.losses if s == step) / 2 for step in range(4)]
+    assert steps.tolist() == [0, 1, 2, 3]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
     df = run.frame(stats="norm")
     for step, seen in enumerate(model.seen):
         for name, norm in seen.items():
@@ -158,7 +167,9 @@ class Half(Tiny):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return (self(x).float() - y).pow(2).mean()
+        loss = (self(x).float() - y).pow(2).mean()
+        self.losses.append((self.trainer.global_step, loss.item()))
+        return loss
 
     def configure_optimizers(self):
         opt = (torch.optim.Adam(self.parameters(), lr=1e-3, fused=True) if self.fused
@@ -199,6 +210,9 @@ def test_16_mixed_unscaled_norms_and_an_overflow_recorded_not_skipped(tmp_path, 
     # one's is, with found_inf set); on steps 1-3 the Monitor's norms are those of the
     # unscaled gradients the optimizer received.
     assert len(model.seen) == (4 if fused else 3)
+    # The loss Lightning backpropagated was scaled (by 2^40 at step 0): stored unscaled.
+    expected = [sum(v for s, v in model.losses if s == step) / 2 for step in range(4)]
+    assert run.series("<loss>", "value")[1].tolist() == pytest.approx(expected, rel=1e-6)
     df = run.frame(stats="norm")
     for step, seen in zip([1, 2, 3], model.seen[-3:]):
         for name, norm in seen.items():

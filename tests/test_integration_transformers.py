@@ -45,7 +45,7 @@ class Oracle:
                           for g in opt.param_groups for p in g["params"]})
 
 
-def train(tmp_path, cb, model, max_steps, ds=None, resume=None, **kw):
+def train(tmp_path, cb, model, max_steps, ds=None, resume=None, loss_kwargs=None, **kw):
     oracle = Oracle(model)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
@@ -53,6 +53,8 @@ def train(tmp_path, cb, model, max_steps, ds=None, resume=None, **kw):
         logging_steps=1, dataloader_num_workers=0, seed=0, lr_scheduler_type="constant", **{"save_strategy": "no", **kw})
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ds or dataset(),
                                    callbacks=[cb], optimizers=(oracle.opt, None))
+    if loss_kwargs is not None:  # whether the model normalises its loss by the step's items
+        trainer.model_accepts_loss_kwargs = loss_kwargs
     trainer.train(resume_from_checkpoint=resume)
     return oracle, trainer
 
@@ -65,12 +67,23 @@ def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_p
     run = gt.open_run(tmp_path / "gradtap")
     assert run.steps == [0, 1, 2, 3] and len(oracle.seen) == 4
     names = [n for n, p in model.named_parameters()]  # tied weights appear once
-    assert sorted(run.names) == sorted(names)
+    assert sorted(run.names) == sorted([*names, "<loss>"])
     df = run.frame(stats="norm")
     for step, seen in enumerate(oracle.seen):
         for name, norm in seen.items():
             got = df[(df.step == step) & (df.name == name)].value.item()
             assert got == pytest.approx(norm, rel=1e-5), (step, name)
+
+
+@pytest.mark.parametrize("samples", [8, 6])
+@pytest.mark.parametrize("loss_kwargs", [True, False])
+def test_the_loss_of_each_step_is_the_one_the_trainer_logs(tmp_path, samples, loss_kwargs):
+    _, trainer = train(tmp_path, GradtapCallback(), tiny_gpt2(), max_steps=4,
+                       ds=dataset(samples), loss_kwargs=loss_kwargs)
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    steps, values = gt.open_run(tmp_path / "gradtap").series("<loss>", "value")
+    assert steps.tolist() == [0, 1, 2, 3] and len(logged) == 4
+    assert values.tolist() == pytest.approx(logged, rel=1e-6)
 
 
 def test_norms_are_taken_before_gradient_clipping(tmp_path):

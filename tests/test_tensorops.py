@@ -47,6 +47,7 @@ def oracle(x: np.ndarray) -> dict[str, float]:
         "max": math.nan if has_nan else max(v),
         "nonfinite": float(sum(1 for e in v if not math.isfinite(e))),
         "zero_frac": sum(1 for e in v if e == 0) / n,
+        "rms": math.sqrt(sq / n),
     }
 
 

@@ -309,11 +309,74 @@ def test_an_optimizer_over_part_of_a_model_and_a_wrapping_optimizer(tmp_path, mo
     _assert_norms(tmp_path / "run", seen)
 
 
+# Gradient accumulation (two backwards of 4 samples per optimizer step); the script prints
+# what the noise scale is made of: each backward's increment and the accumulated gradient.
+ACCUMULATE = """
+import json
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for step in range(4):
+    before = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    increments = []
+    for k in range(2):
+        x, y = torch.randn(4, 3), torch.randn(4, 1)
+        (nn.functional.mse_loss(net(x), y) / 2).backward()
+        increments.append({n: (p.grad - before[n]).pow(2).sum().item()
+                           for n, p in net.named_parameters()})
+        before = {n: p.grad.clone() for n, p in net.named_parameters()}
+    print("step", json.dumps({"increments": increments,
+                              "total": {n: p.grad.pow(2).sum().item()
+                                        for n, p in net.named_parameters()},
+                              "rms": {n: p.grad.pow(2).mean().sqrt().item()
+                                      for n, p in net.named_parameters()}}))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_watch_stores_rms_and_the_noise_scale_from_microbatches(tmp_path, capfd, monkeypatch):
+    script = tmp_path / "accumulate.py"
+    script.write_text(ACCUMULATE)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    out = tmp_path / "run"
+    assert main(["watch", "--out", str(out), "--stats", "rms,gns", "--gns-from",
+                 "microbatches", "--batch-size", "4", "--", sys.executable, str(script)]) == 0
+    printed = _printed(capfd.readouterr().out, "step")
+    run = gt.open_run(out)
+    rms = {(int(r.step), r.name): r.value for r in run.frame(stats="rms").itertuples()}
+    for step, seen in enumerate(printed):
+        for name, value in seen["rms"].items():
+            assert rms[(step, name)] == pytest.approx(value, rel=1e-6)
+    gns = {(int(r.step), r.name): r.value for r in run.frame(stats="gns").itertuples()}
+    # The Monitor is made at the first optimizer step, after its backwards: no estimate there.
+    assert all(math.isnan(v) for (step, _), v in gns.items() if step == 0)
+    ema = None
+    for step in (1, 2, 3):  # the oracle: b = 4, B = 8, each increment times 2 (loss / 2)
+        seen = printed[step]
+        small = sum(4 * sum(inc.values()) for inc in seen["increments"]) / 2
+        big = sum(seen["total"].values())
+        trace = (small - big) / (1 / 4 - 1 / 8)
+        sq = (big / 4 - small / 8) / (1 / 4 - 1 / 8)
+        ema = (trace, sq) if ema is None else (ema[0] + 0.05 * (trace - ema[0]),
+                                               ema[1] + 0.05 * (sq - ema[1]))
+        assert gns[(step, "<all>")] == pytest.approx(ema[0] / ema[1], rel=1e-4)
+
+
 def test_cli_usage_errors(tmp_path, capsys):
     assert main(["watch"]) == 2
     assert "no command to run" in capsys.readouterr().err
     assert main(["watch", "--stats", "norm,bogus", "--", "python", "x.py"]) == 2
     assert "bogus" in capsys.readouterr().err
+    assert main(["watch", "--stats", "gns", "--", "python", "x.py"]) == 2
+    assert "and --gns-from ('ranks'" in capsys.readouterr().err
+    assert main(["watch", "--stats", "gns", "--gns-from", "ranks", "--", "python", "x.py"]) == 2
+    assert "--gns-from ranks needs --batch-size N" in capsys.readouterr().err
+    assert main(["watch", "--stats", "gain", "--", "python", "x.py"]) == 2
+    assert "add 'grad_output' to kinds" in capsys.readouterr().err
     assert main(["watch", "--out", str(tmp_path), "--", str(tmp_path / "no-such-program")]) == 127
     assert "cannot run" in capsys.readouterr().err
     with gt.Monitor(nn.Linear(1, 1), store=tmp_path / "taken"):

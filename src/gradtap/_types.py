@@ -29,7 +29,8 @@ Selector: TypeAlias = (
 KeepLiteral = Literal["inputs", "outputs"]
 WhenLiteral = Literal["backward", "accumulate", "step"]
 OnLiteral = Literal["param_grad", "grad_output", "grad_input"]
-StatName = Literal["norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac"]
+StatName = Literal["norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac",
+                   "rms"]
 ActionLiteral = Literal["raise", "warn", "record"]
 
 # Each vocabulary once: the literal types above, and their values for checks and messages.

@@ -152,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", metavar="K,K", default="param_grad",
                    help="what to watch, comma-separated: param_grad (default), param, update, "
                         "grad_cosine, grad_output")
+    p.add_argument("--gns-from", choices=("ranks", "microbatches"), default=None,
+                   help="with --stats gns (gns_trace, gns_sqnorm): the noise scale's small "
+                        "batches are each rank's gradient (under torch.distributed) or each "
+                        "backward between two optimizer steps")
+    p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
+                   help="for --gns-from: the samples of each rank in a step (ranks) or of "
+                        "each backward (microbatches)")
     p.add_argument("--every", type=_positive_int, default=1, metavar="K",
                    help="compute every K optimizer steps (default 1)")
     p.add_argument("--detect", action="store_true",
@@ -286,9 +293,10 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         raise _CliError(f"{out} already holds a run; choose another --out")
     stats = None if args.stats is None else [s.strip() for s in args.stats.split(",") if s.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    _check_monitor_options(stats, kinds)
+    _check_monitor_options(stats, kinds, args.gns_from, args.batch_size)
     options = WatchOptions(out=out, select=args.select, stats=stats or [], kinds=kinds,
-                           every=args.every, detect=args.detect, report=args.report)
+                           every=args.every, detect=args.detect, report=args.report,
+                           gns_from=args.gns_from, batch_size=args.batch_size)
     try:
         return run_watched(command, options)
     except (FileNotFoundError, PermissionError) as err:
@@ -297,18 +305,26 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         return 127 if isinstance(err, FileNotFoundError) else 126
 
 
-def _check_monitor_options(stats: list[str] | None, kinds: list[str]) -> None:
+def _check_monitor_options(stats: list[str] | None, kinds: list[str], gns_from: str | None,
+                           batch_size: int | None) -> None:
     """Fail now, not at the script's first optimizer step, on unknown stats or kinds (checked
-    by a Monitor on a stand-in model with one submodule, as every kind can watch it)."""
+    by a Monitor on a stand-in model with one submodule, as every kind can watch it), or a
+    noise scale without its batch size."""
     from torch import nn
 
     from gradtap._monitor.monitor import DEFAULT_STATS, Monitor
 
+    if gns_from is not None and batch_size is None:
+        raise _CliError(f"--gns-from {gns_from} needs --batch-size N (the samples of each "
+                        f"{'rank in a step' if gns_from == 'ranks' else 'backward'})")
     try:
+        # "ranks" needs a process group: the stand-in checks the same stats with micro-batches.
         Monitor(nn.Sequential(nn.Linear(1, 1)), stats=DEFAULT_STATS if stats is None else stats,
-                kinds=kinds).close()
+                kinds=kinds, gns_from=None if gns_from is None else "microbatches").close()
     except ValueError as err:
-        raise _CliError(str(err)) from err
+        message = str(err).replace("gns_from=", "--gns-from").replace("'microbatches'",
+                                                                      repr(gns_from))
+        raise _CliError(message) from err
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

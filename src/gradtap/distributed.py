@@ -72,7 +72,7 @@ from gradtap._tensorops.sharded import is_distributed, world
 from gradtap._tensorops.sharded import is_sharded as is_dtensor
 
 __all__ = ["Reduction", "Shard", "is_distributed", "is_dtensor", "layout_mismatch",
-           "local_tensor", "reduce_parts", "shard", "world"]
+           "local_tensor", "reduce_parts", "shard", "shard_offset", "world"]
 
 _SUM_ORDER = ("sum", "between", "m2", "sumsq", "nonfinite", "nonzero")
 _MAX_ORDER = ("max", "negmin")
@@ -127,6 +127,46 @@ def shard(t: Tensor, name: str = "tensor") -> Shard:
                 "takes statistics of Shard and Replicate placements only (a Partial value must "
                 "be reduced first)")
     return Shard(t.to_local(), counts)  # type: ignore[attr-defined]
+
+
+def shard_offset(t: Tensor, dim: int, name: str = "tensor") -> int:
+    """Where this rank's local shard of ``t`` starts along ``dim`` in the global tensor (0 for
+    a plain tensor, or a dimension no mesh dimension shards).
+
+    ``Shard(dim)`` splits as ``torch.chunk`` does (FSDP2's layout): chunks of
+    ``ceil(size / n)``, the last ones shorter or empty.
+
+    Raises:
+        ValueError: ``dim`` is sharded over more than one mesh dimension, or the local shard is
+            not where that layout puts it.
+
+    Example:
+        >>> import torch
+        >>> shard_offset(torch.ones(4, 2), 0)
+        0
+    """
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor import Shard as ShardPlacement
+
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    sharding = [m for m, pl in enumerate(placements)
+                if isinstance(pl, ShardPlacement) and pl.dim == dim]
+    if not sharding:
+        return 0
+    if len(sharding) > 1:
+        raise ValueError(f"{name}: dimension {dim} is sharded over {len(sharding)} mesh "
+                         "dimensions; split= handles one")
+    m = sharding[0]
+    size, n = t.shape[dim], mesh.size(m)
+    chunk = -(-size // n)
+    coord = mesh.get_coordinate()
+    offset = min(coord[m] * chunk, size) if coord is not None else size
+    local = t.to_local().shape[dim]  # type: ignore[attr-defined]
+    if local != max(0, min(chunk, size - offset)):
+        raise ValueError(f"{name}: this rank's shard has {local} of {size} rows along dim {dim}, "
+                         f"not the {max(0, min(chunk, size - offset))} of an even chunking")
+    return offset
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -40,7 +40,8 @@ APPLICATION_ID = 0x67747031
 
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
 #: Every stat a run stores: the moments' statistics, then those of particular kinds.
-ALL_STAT_NAMES = (*STAT_NAMES, "ratio", "cosine", "amp_scale", "zscore", "clip_factor")
+ALL_STAT_NAMES = (*STAT_NAMES, "ratio", "cosine", "amp_scale", "zscore", "clip_factor", "gain",
+                  "gns", "gns_trace", "gns_sqnorm", "value")
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

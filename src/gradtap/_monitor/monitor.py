@@ -20,17 +20,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from gradtap import _tensorops as ops
 from gradtap import distributed
 from gradtap._monitor.ewma import GradEwma
-from gradtap._monitor.history import MemoryRun, SeriesTable, StepRows
+from gradtap._monitor.gns import GnsSource, LossReduction, SampleNorms
+from gradtap._monitor.health import HealthStats, gns_stats
+from gradtap._monitor.history import MemoryRun, SeriesTable
 from gradtap._monitor.meta import run_meta
-from gradtap._monitor.options import DEFAULT_STATS, KINDS, PARAM_KINDS, check_options
+from gradtap._monitor.options import (
+    DEFAULT_STATS,
+    KINDS,
+    STAT_NAMES,
+    check_options,
+    watched_parameters,
+)
 from gradtap._monitor.reducer import Part, StepReducer
-from gradtap._monitor.scaler import SCALER_NAME, queue_amp
-from gradtap._monitor.sharded import Layouts, shard_job
+from gradtap._monitor.sharded import Layouts
 from gradtap._monitor.snapshots import Snapshots
-from gradtap._monitor.spikes import DERIVED_STATS, ZSCORE_BETA, ZScores, queue_clip_factors
+from gradtap._monitor.spikes import ZSCORE_BETA, ZScores
+from gradtap._monitor.split import Splits, check_split
+from gradtap._monitor.step import compute_step
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -41,7 +49,6 @@ from gradtap.capture import (
     tap,
     unscale,
 )
-from gradtap.errors import SelectionError
 from gradtap.record import GradRecord
 from gradtap.select import clean_name
 from gradtap.store import Histogram, Run, RunWriter
@@ -50,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
+
 
 
 class Monitor:
@@ -75,7 +83,12 @@ class Monitor:
 
     Statistics (``stats=``) are taken over all elements:
     ``norm`` (L2), ``mean``, ``std`` (population), ``absmax``, ``min``, ``max``, ``nonfinite``
-    (count of NaN/Inf), ``zero_frac``. NaN propagates into mean/std/norm/absmax/min/max.
+    (count of NaN/Inf), ``zero_frac``, ``rms`` (``sqrt(mean(x**2))``). NaN propagates into
+    mean/std/norm/rms/absmax/min/max. Training health (``docs/health.md``): ``gain`` (kind
+    ``grad_output``: ``|dL/d input| / |dL/d output|`` of each module's calls, the input its first
+    floating one with a gradient); ``gns``, ``gns_trace``, ``gns_sqnorm`` (with ``gns_from``:
+    the gradient noise scale ``B_simple = ewma(tr(Sigma)) / ewma(|G|^2)`` and its two EMAs, per
+    parameter and for ``"<all>"``, kind ``param_grad``); ``step(loss=...)`` stores the loss.
 
     Args:
         model: the model to watch; a wrapper (``DistributedDataParallel``, ``DataParallel``,
@@ -106,10 +119,23 @@ class Monitor:
             ``nonfinite`` (1 when the scaler found an inf/NaN and skipped the optimizer step;
             before the scaler checked, the count of non-finite elements of the selected
             gradients).
+        split: ``{parameter glob: dim}``: also the statistics (kinds ``param_grad``, ``param``)
+            of each slice along ``dim`` of the matched parameters, named ``"<name>[i]"`` (an
+            MoE ``[E, out, in]`` expert weight gives ``experts.w1[0]`` ... ``[E-1]``).
+        gns_from: where the noise scale's small batches come from: ``"ranks"`` (each rank's
+            gradient before the reduction; needs a process group), ``"microbatches"`` (each
+            backward of an accumulation step) or ``"samples"`` (``per_sample=``'s norms).
+            ``"ranks"`` and ``"microbatches"`` need ``step(batch_size=...)``.
+        gns_beta: the factor of the noise scale's two EMAs.
+        loss_reduction: ``"mean"`` (default) or ``"sum"``: each rank's step gradient is the
+            mean or the sum of its samples' gradients (``"samples"``: per_sample's own).
+        per_sample: a ``gt.per_sample(model, quantities=("norm",))`` handle on the same model
+            (``gns_from="samples"``; the Monitor clears it at each step).
 
     Raises:
         SelectionError: ``select`` matches nothing.
-        ValueError: unknown stat or kind names (listing the valid ones), or a bad option.
+        ValueError: unknown stat or kind names (listing the valid ones), or a bad option (a
+            noise-scale stat without ``gns_from``, ``"ranks"`` without a process group, ...).
         StoreError: ``store`` already holds a run and ``overwrite`` is false.
 
     Example:
@@ -145,6 +171,11 @@ class Monitor:
         overwrite: bool = False,
         meta: dict[str, Any] | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        split: dict[str, int] | None = None,
+        gns_from: GnsSource | None = None,
+        gns_beta: float = 0.95,
+        loss_reduction: LossReduction | None = None,
+        per_sample: SampleNorms | None = None,
     ) -> None:
         sess = session(model, "Monitor")
         check_scaler(scaler, "Monitor")
@@ -158,32 +189,20 @@ class Monitor:
         self.every = every
         self.local_grads = local_grads
         self.rank, self.world_size = distributed.world()
-        # Known at construction (create the Monitor after init_process_group, as DDP needs).
-        # The moments of each tensor; zscore is derived from the norm on the host.
-        moments = [st for st in self.stats if st not in DERIVED_STATS]
-        if "zscore" in self.stats and "norm" not in moments:
-            moments.append("norm")
+        moment_stats = tuple(st for st in self.stats if st in STAT_NAMES)
+        if "zscore" in self.stats and "norm" not in moment_stats:  # zscore is the norm's
+            moment_stats += ("norm",)
         self._zscores = None if "zscore" not in self.stats else ZScores(
             ZSCORE_BETA if ewma is None else float(ewma))
-        self._reducer = StepReducer(moments, edges, reduce=distributed.is_distributed())
-
-        wants_params = bool(set(self.kinds) & set(PARAM_KINDS)) or ewma is not None
-        self._params: list[tuple[str, nn.Parameter]] = (
-            sess.parameters(select) if wants_params else [])
-        # FSDP2 (DTensor parameters) under a process group: every parameter kind is taken from
-        # this rank's shards and reduced across ranks with the step's other statistics.
-        self._sharded = distributed.is_distributed() and any(
-            distributed.is_dtensor(p) for _, p in self._params)
-        gradient_kinds = {"param_grad", "grad_cosine"} & set(self.kinds) or ewma is not None
-        if gradient_kinds and self._params and not any(p.requires_grad for _, p in self._params):
-            names = [n for n, _ in self._params]
-            raise SelectionError(
-                f"select={select!r} matches only parameters that do not require grad "
-                f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}); they never get a "
-                "gradient to monitor (kinds=('param',) watches their values)")
-        if local_grads and self._sharded:
-            raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
-                             "p.grad is already reduce-scattered when gradtap can first read it")
+        # Known at construction (create the Monitor after init_process_group, as DDP needs).
+        self._reducer = StepReducer(moment_stats, edges, reduce=distributed.is_distributed())
+        self._moments = bool(moment_stats) or edges is not None
+        gns = gns_stats(self.stats, gns_from, loss_reduction, per_sample)
+        self._params, self._sharded = watched_parameters(
+            model, select, self.kinds, gradients=ewma is not None or bool(gns),
+            local_grads=local_grads, split=bool(split))
+        self._splits = Splits(check_split(split, model, self._params),
+                              {n: p.shape for n, p in self._params})
         self._model = weakref.ref(model)
         self._ewma = None if self.ewma_beta is None else GradEwma(
             self.ewma_beta, [n for n, _ in self._params])
@@ -215,13 +234,18 @@ class Monitor:
                 for name, p in self._params:
                     if p.requires_grad:
                         self._hooks.post_accumulate_grad(p, self._local_hook(name))
+            self._health = HealthStats(
+                self.stats, gns_from=gns_from, gns_beta=gns_beta, loss_reduction=loss_reduction,
+                per_sample=per_sample, params=self._params, model=model, hooks=self._hooks,
+                amp=self._amp, active=lambda: self._active)
             to_store = self._store_path is not None and self.rank == 0
             run_info = run_meta(
                 model, select=select, config={
                     "stats": list(self.stats), "kinds": list(self.kinds), "ewma": self.ewma_beta,
                     "every": self.every, "local_grads": self.local_grads,
                     "hist_bins": None if edges is None else edges.numel() - 1,
-                    "scaler": scaler is not None},
+                    "scaler": scaler is not None, "split": dict(self._splits.dims),
+                    **self._health.config()},
                 parameters=[n for n, _ in self._params],
                 modules=[clean_name(n) for n in self._tap.names] if self._tap is not None else [],
                 world_size=self.world_size, edges=None if edges is None else edges.tolist(),
@@ -252,11 +276,21 @@ class Monitor:
             return None
         return Run(self._store_path)
 
-    def step(self) -> None:
+    def step(self, loss: Tensor | float | None = None, *,
+             batch_size: int | Sequence[int] | None = None) -> None:
         """Close the current step: compute its statistics if it is due, then advance.
+
+        Args:
+            loss: the step's loss (a one-element tensor or a number; read with the step's one
+                host copy), stored as name ``"<loss>"``, stat ``value``, kind ``param_grad``;
+                under a process group the mean of the ranks' values.
+            batch_size: for the noise scale: the samples of this rank in the step
+                (``gns_from="ranks"``), or of each micro-batch (``"microbatches"``: one int
+                for all, or one per backward of the step).
 
         Raises:
             RuntimeError: the monitor was closed.
+            ValueError: the noise scale lacks ``batch_size``, or it disagrees with the step.
         """
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
@@ -269,13 +303,14 @@ class Monitor:
                     "before backward, or after optimizer.zero_grad()?); nothing is stored for "
                     "this step", UserWarning, stacklevel=2)
             elif self._active:
-                self._compute(s)
+                compute_step(self, s, loss, batch_size)
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
         finally:
             self._reducer.end_step()
             self._pending = []
             self._local = {}
+            self._health.end_step()
             if self._tap is not None:
                 self._tap.clear()
             self._step = s + 1
@@ -348,7 +383,7 @@ class Monitor:
         return {"step": self._step, "every": self.every,
                 "parameters": [n for n, _ in self._params],
                 "ewma": None if self._ewma is None else self._ewma.state_dict(),
-                "snapshots": self._snapshots.state_dict()}
+                "snapshots": self._snapshots.state_dict(), "gns": self._health.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` of an earlier Monitor (call before the first
@@ -374,6 +409,7 @@ class Monitor:
         if self._ewma is not None:
             self._ewma.load_state_dict(state["ewma"], devices)
         self._snapshots.load_state_dict(state["snapshots"])
+        self._health.load_state_dict(state.get("gns"))
         self._step = int(state["step"])
         self._active = self._step % self.every == 0
 
@@ -422,7 +458,9 @@ class Monitor:
                 keys.append(f"{clean_name(rec.module_name)}:{path}")
                 # Activation gradients are always those of the scaled loss.
                 tensors.append(unscale(g, scale))
-        if tensors:
+        if self._health.gain is not None:  # a ratio: the same with or without the scale
+            self._health.gain.record(rec.grad_inputs, list(zip(keys, tensors)))
+        if tensors and self._moments:
             self._pending.append(self._reducer.part(keys, tensors))
 
     def _local_hook(self, name: str) -> Any:
@@ -437,95 +475,6 @@ class Monitor:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _compute(self, s: int) -> None:
-        copy = ops.HostCopy()
-        red = self._reducer
-        sharded = self._sharded
-        jobs = []
-        grads = {}
-        for n, p in self._params:
-            g = p.grad
-            if g is not None and g.numel():  # a DTensor's numel is the global one
-                grads[n] = g
-        if not grads and self._params:
-            self._check_not_replaced()
-        counts: dict[str, bool] = {}
-        if sharded:
-            grads, counts = self._layouts.shards(grads)
-        amp = None
-        if self._amp is not None:
-            owner = dict(self._params)
-            grads = {n: self._amp.unscaled(g, owner[n]) for n, g in grads.items()}
-            amp = (queue_amp(self._amp, grads, copy, red.reduction, counts) if sharded
-                   else queue_amp(self._amp, grads, copy))
-        if "param_grad" in self.kinds:
-            if self.local_grads:
-                names = [n for n, p in self._params if p.requires_grad]
-                present = [n for n in names if n in self._local]
-                jobs.append(red.local("param_grad", names, present,
-                                      [self._local[n] for n in present], self._device))
-            elif sharded:
-                jobs.append(shard_job(red, "param_grad", grads, counts, self._device))
-            elif grads:
-                jobs.append(red.tensors("param_grad", list(grads), list(grads.values()), copy))
-        if "grad_output" in self.kinds and self._pending:
-            jobs.append(red.parts(self._pending, copy))
-        wants_params = "param" in self.kinds or "update" in self.kinds
-        params = [(n, p.detach()) for n, p in self._params if p.numel()] if wants_params else []
-        pcounts: dict[str, bool] = {}
-        if sharded and params:
-            local, pcounts = self._layouts.shards(dict(params))
-            params = list(local.items())
-        if "param" in self.kinds and params:
-            if sharded:
-                jobs.append(shard_job(red, "param", dict(params), pcounts, self._device))
-            else:
-                jobs.append(red.tensors("param", [n for n, _ in params],
-                                        [p for _, p in params], copy))
-        ratio = None
-        update = self._snapshots.updates(s, params)
-        if update is not None:
-            names, cur, diffs = update
-            if sharded:
-                jobs.append(shard_job(red, "update", dict(zip(names, diffs)), pcounts,
-                                      self._device))
-                ratio = self._snapshots.queue_ratio(cur, diffs, copy, red.reduction,
-                                                    [pcounts[n] for n in names])
-            else:
-                jobs.append(red.tensors("update", names, diffs, copy))
-                ratio = self._snapshots.queue_ratio(cur, diffs, copy)
-        cosine = self._snapshots.queue_cosine(s, grads, copy, red.reduction if sharded else None,
-                                              counts)
-        if self._ewma is not None:
-            self._ewma.update(grads)
-        factors = queue_clip_factors(self._session, list(grads), copy)
-        red.flush(copy)  # at most two collectives for every reduced statistic of the step
-        copy.run()
-
-        rows = StepRows(self._series)
-        for job in jobs:
-            names, count, fields = red.finish(job, copy, s)
-            if not names:
-                continue
-            columns = red.columns(count, fields)
-            if job.kind == "update" and ratio is not None:
-                columns["ratio"] = ratio()
-            if job.kind == "param_grad" and self._zscores is not None:
-                columns["zscore"] = self._zscores(names, columns["norm"])
-                if "norm" not in self.stats:
-                    del columns["norm"]
-            rows.add(job.kind, names, columns)
-            if fields.hist is not None:
-                rows.add_hists(job.kind, names, fields.hist)
-        if cosine is not None:
-            rows.add("grad_cosine", cosine[0], {"cosine": cosine[1]()})
-        if factors is not None:
-            rows.add("param_grad", factors[0], {"clip_factor": factors[1]()})
-        if amp is not None:
-            rows.add("param_grad", [SCALER_NAME], {"amp_scale": amp[0]().reshape(1),
-                                                   "nonfinite": amp[1]().reshape(1)})
-        self._sink.write_step(s, self._series.take_new(), rows.ids(), rows.values(), rows.hists)
-
     @property
     def _device(self) -> torch.device:
         """The device of the first selected parameter (CPU without any)."""
@@ -534,7 +483,7 @@ class Monitor:
 
     def _nothing_to_read(self) -> bool:
         """Whether the Monitor watches gradients only and no selected one arrived this step."""
-        if {"param", "update"} & set(self.kinds) or self._pending or self._local:
+        if {"param", "update"} & set(self.kinds) or self._pending or self._local or self._health.gain:
             return False
         return not any(p.grad is not None for _, p in self._params)
 
@@ -572,3 +521,4 @@ class Monitor:
         if self._tap is not None:
             self._tap.remove()
         self._hooks.remove()
+

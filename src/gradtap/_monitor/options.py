@@ -8,17 +8,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradtap import _tensorops as ops
+from gradtap import distributed
 from gradtap._monitor.spikes import DERIVED_STATS
-from gradtap._types import is_int
+from gradtap._types import Selector
+from gradtap.errors import SelectionError
+from gradtap.select import clean_name, select_parameters
 from gradtap.store import KIND_NAMES
 
-__all__ = ["DEFAULT_STATS", "KINDS", "PARAM_KINDS", "check_options"]
+__all__ = ["DEFAULT_STATS", "GNS_STATS", "HEALTH_STATS", "KINDS", "MONITOR_STATS", "PARAM_KINDS",
+           "STAT_NAMES", "check_options", "watched_parameters"]
 
 KINDS = KIND_NAMES
 DEFAULT_STATS = ("norm", "mean", "std", "absmax", "nonfinite")
+#: The gradient noise scale and its two EMAs (:mod:`~gradtap._monitor.gns`).
+GNS_STATS = ("gns", "gns_trace", "gns_sqnorm")
+#: Statistics that are not moments of one tensor: kind ``grad_output``'s ``gain`` and the noise
+#: scale (:mod:`~gradtap._monitor.health`).
+HEALTH_STATS = ("gain", *GNS_STATS)
+#: The statistics of one tensor's elements (moments, reduced by the step reducer).
+STAT_NAMES = ops.STAT_NAMES
+#: Every name ``stats=`` accepts (``zscore``: :mod:`~gradtap._monitor.spikes`).
+MONITOR_STATS = (*ops.STAT_NAMES, *HEALTH_STATS, *DERIVED_STATS)
 #: The kinds read from the parameters at ``step()``, with no hook.
 PARAM_KINDS = ("param_grad", "param", "update", "grad_cosine")
 
@@ -27,22 +40,15 @@ def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | N
                   every: int, local_grads: bool, hist_bins: int | None, hist_scale: str,
                   hist_range: tuple[float, float] | None, hist_linthresh: float,
                   ) -> tuple[tuple[str, ...], tuple[str, ...], Tensor | None]:
-    """``(stats, kinds, histogram bin edges or None)``, or a ``ValueError`` for a bad option.
-
-    ``stats`` may hold the stats the Monitor derives on the host (:data:`DERIVED_STATS`)
-    beside the moments of a tensor."""
-    stats = (stats,) if isinstance(stats, str) else tuple(stats)
-    valid = (*ops.STAT_NAMES, *DERIVED_STATS)
-    unknown = [s for s in stats if s not in valid]
-    if unknown:
-        raise ValueError(f"unknown stat name(s) {', '.join(map(repr, unknown))}; valid stats "
-                         f"are: {', '.join(valid)}")
-    if len(set(stats)) != len(stats):
-        raise ValueError(f"stats lists a name twice: {list(stats)}")
+    """``(stats, kinds, histogram bin edges or None)``, or a ``ValueError`` for a bad option."""
+    stats = _check_stats(stats)
     kinds = _check_kinds(kinds)
+    if "gain" in stats and "grad_output" not in kinds:
+        raise ValueError("stat 'gain' is a statistic of kind 'grad_output' (|dL/d input| / "
+                         "|dL/d output| of each module); add 'grad_output' to kinds")
     if ewma is not None and not (isinstance(ewma, (int, float)) and 0.0 <= ewma < 1.0):
         raise ValueError(f"ewma must be None or a factor beta with 0 <= beta < 1; got {ewma!r}")
-    if not is_int(every) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int; got {every!r}")
     if local_grads and "param_grad" not in kinds:
         raise ValueError("local_grads=True watches param_grad; add 'param_grad' to kinds")
@@ -53,6 +59,49 @@ def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | N
         raise ValueError("nothing to compute: stats is empty and there are no histograms, "
                          "EWMA, update ratio or grad_cosine")
     return stats, kinds, edges
+
+
+def watched_parameters(model: nn.Module, select: Selector, kinds: Sequence[str], *,
+                       gradients: bool, local_grads: bool, split: bool
+                       ) -> tuple[list[tuple[str, nn.Parameter]], bool]:
+    """``(selected (name, parameter) pairs, sharded)``: the parameters the Monitor reads (none
+    when no kind, EWMA or noise scale needs them; ``gradients``: the EWMA or noise scale is
+    on), and whether they are FSDP2 DTensors under a process group (every parameter kind is then
+    taken from this rank's shards and reduced across ranks with the step's other statistics).
+
+    Raises:
+        SelectionError: the gradients are watched but no selected parameter requires grad.
+        ValueError: ``local_grads`` under FSDP2 or with ``split``.
+    """
+    if not (set(kinds) & set(PARAM_KINDS) or gradients):
+        return [], False
+    params = [(clean_name(n), p) for n, p in select_parameters(model, select)]
+    sharded = distributed.is_distributed() and any(distributed.is_dtensor(p) for _, p in params)
+    if ({"param_grad", "grad_cosine"} & set(kinds) or gradients) and params and not any(
+            p.requires_grad for _, p in params):
+        names = [n for n, _ in params]
+        raise SelectionError(
+            f"select={select!r} matches only parameters that do not require grad "
+            f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}); they never get a "
+            "gradient to monitor (kinds=('param',) watches their values)")
+    if local_grads and sharded:
+        raise ValueError("local_grads=True needs DDP: under FSDP2 (DTensor parameters) "
+                         "p.grad is already reduce-scattered when gradtap can first read it")
+    if split and local_grads:
+        raise ValueError("split= slices the global gradient; it does not combine with "
+                         "local_grads=True")
+    return params, sharded
+
+
+def _check_stats(stats: str | Iterable[str]) -> tuple[str, ...]:
+    stats = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [s for s in stats if s not in MONITOR_STATS]
+    if unknown:
+        raise ValueError(f"unknown stat name(s) {', '.join(map(repr, unknown))}; valid stats "
+                         f"are: {', '.join(MONITOR_STATS)}")
+    if len(set(stats)) != len(stats):
+        raise ValueError(f"stats lists a name twice: {list(stats)}")
+    return stats
 
 
 def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:

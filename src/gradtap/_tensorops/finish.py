@@ -182,7 +182,8 @@ def finish_stats(
 ) -> dict[str, np.ndarray]:
     """Turn (refined, combined) moments into the named statistics, one array [n] per name.
 
-    ``std`` is the population standard deviation, ``norm`` the L2 norm, ``nonfinite`` the count
+    ``std`` is the population standard deviation, ``norm`` the L2 norm, ``rms`` the root mean
+    square ``sqrt(mean(x**2))`` (``norm / sqrt(n)``), ``nonfinite`` the count
     of NaN/Inf elements; NaN propagates into mean/std/norm/absmax/min/max, Inf into mean/norm.
     A ``between`` field (sum of s_i**2 / n_i over reduced ranks) completes ``m2`` across ranks.
     ``nonfinite`` must hold exact counts wherever there is a non-finite element.
@@ -208,6 +209,8 @@ def finish_stats(
                 out[stat] = np.sqrt(m2 / n)
             elif stat == "norm":
                 out[stat] = np.sqrt(m["sumsq"])
+            elif stat == "rms":
+                out[stat] = np.sqrt(m["sumsq"] / n)
             elif stat == "absmax":  # np.maximum propagates NaN from either side
                 out[stat] = np.maximum(m["max"], m["negmin"])
             elif stat in ("max", "min"):

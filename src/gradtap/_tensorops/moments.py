@@ -239,7 +239,7 @@ def needs_for(stats: Iterable[str], *, exact_nonfinite: bool = False) -> Needs:
     std = "std" in s
     return Needs(
         sum="mean" in s or std,
-        sumsq="norm" in s or std,
+        sumsq=bool(s & {"norm", "rms"}) or std,
         std=std,
         minmax=bool(s & {"absmax", "min", "max"}) or ("nonfinite" in s and not exact_nonfinite),
         nonfinite="nonfinite" in s and exact_nonfinite,

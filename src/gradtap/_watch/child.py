@@ -70,15 +70,16 @@ class _Watched:
     """One optimizer's Monitor (and detector, and the view of its grad scaler)."""
 
     def __init__(self, monitor: Monitor, detector: Detector | None, path: Path,
-                 amp: ScalerWatch | None) -> None:
+                 amp: ScalerWatch | None, batch_size: int | None = None) -> None:
         self.monitor = monitor
+        self.batch_size = batch_size
         self.detector = detector
         self.path = path
         self.amp = amp
         self.stepped = False  # optimizer.step() ran inside the current scaler.step()
 
     def step(self) -> None:
-        self.monitor.step()
+        self.monitor.step(batch_size=self.batch_size)
         if self.detector is not None:
             self.detector.step()
 
@@ -102,6 +103,8 @@ class _Watcher:
         self.kinds = tuple(config.get("kinds") or ("param_grad",))
         self.every = int(config.get("every", 1))
         self.detect = bool(config.get("detect", False))
+        self.gns_from = config.get("gns_from")
+        self.batch_size = config.get("batch_size")
         self.pid = os.getpid()
         self.main = os.environ.get(MAIN_ENV, str(self.pid)) == str(self.pid)
         self.count = 0
@@ -199,6 +202,8 @@ class _Watcher:
             amp = ScalerWatch(scaler)
             amp.sync(optimizer)
         kwargs: dict[str, Any] = {} if not self.stats else {"stats": self.stats}
+        if self.gns_from is not None:  # the first step's backward came before: its gns is NaN
+            kwargs["gns_from"] = self.gns_from
         try:
             monitor = Monitor(model, select, kinds=self.kinds, every=self.every, store=path,
                               scaler=scaler, meta={"watch": {
@@ -218,7 +223,7 @@ class _Watcher:
                 if amp is not None:
                     amp.remove()
                 raise
-        watched = _Watched(monitor, detector, path, amp)
+        watched = _Watched(monitor, detector, path, amp, self.batch_size)
         self.open.append(watched)
         return watched
 

@@ -33,6 +33,8 @@ class WatchOptions:
     every: int = 1
     detect: bool = False
     report: bool = False
+    gns_from: str | None = None
+    batch_size: int | None = None
 
 
 def run_dirs(out: str | os.PathLike[str]) -> list[Path]:
@@ -57,7 +59,8 @@ def run_watched(command: Sequence[str], options: WatchOptions) -> int:
     """
     config = {"out": os.path.abspath(options.out), "select": options.select,
               "stats": list(options.stats), "kinds": list(options.kinds),
-              "every": options.every, "detect": options.detect}
+              "every": options.every, "detect": options.detect, "gns_from": options.gns_from,
+              "batch_size": options.batch_size}
     folder = tempfile.mkdtemp(prefix="gradtap-watch-")
     try:
         shutil.copyfile(site.__file__, os.path.join(folder, "sitecustomize.py"))

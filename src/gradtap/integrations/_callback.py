@@ -18,6 +18,7 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._types import Selector
+from gradtap.capture import HookSet, ScalerWatch
 from gradtap.report.data import write_anomalies
 from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
@@ -57,6 +58,9 @@ class CallbackCore:
         self._last_step = -1
         self._anomalies: list[Any] = []
         self._pending_state: dict[str, Any] | None = None
+        self._loss: torch.Tensor | None = None
+        self._loss_hooks: HookSet | None = None
+        self._loss_scale: ScalerWatch | None = None
         # Checked now, not at the first training step: a bad option fails where it is written
         # (on a stand-in model with one submodule, as every kind can watch it).
         Monitor(nn.Sequential(nn.Linear(1, 1)), "*", stats=self.stats, kinds=self.kinds,
@@ -80,6 +84,10 @@ class CallbackCore:
         if self.store is None and state is not None and (path / DB_NAME).exists():
             path = path.with_name(f"{path.name}-{int(state['step'])}")
         self._scaler = scaler
+        self._loss = None
+        if scaler is not None:  # the scale of each step, to unscale the loss without a sync
+            self._loss_hooks = HookSet()
+            self._loss_scale = self._loss_hooks.grad_scaler(scaler)
         self.monitor = Monitor(model, self.select, stats=self.stats, kinds=self.kinds,
                                ewma=self.ewma, hist_bins=self.hist_bins, every=self.every,
                                store=path, meta=meta, scaler=scaler)
@@ -95,11 +103,24 @@ class CallbackCore:
         self.monitor_step()
         return self.verdict()
 
+    def add_loss(self, loss: torch.Tensor, *, scaled: bool = False) -> None:
+        """Add one backward's share of the step's loss (as the trainer sums them); ``scaled``:
+        it carries the grad scaler's factor (divided out on the device, no sync)."""
+        value = loss.detach().to(torch.float64).reshape(())
+        watch = self._loss_scale
+        if scaled and watch is not None and watch.enabled:
+            scale = watch.step_scale()
+            if scale is not None:
+                value = value / scale.to(value.device, torch.float64)
+        self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+
     def monitor_step(self) -> None:
-        """Close one Monitor step (the gradients of this optimizer step are complete)."""
+        """Close one Monitor step (the gradients of this optimizer step are complete), with the
+        loss added since the last one."""
         assert self.monitor is not None
         self._last_step = self.monitor.steps_done
-        self.monitor.step()
+        loss, self._loss = self._loss, None
+        self.monitor.step(loss=loss)
 
     def verdict(self) -> bool:
         """Whether the detector found an anomaly since the last optimizer step, or the
@@ -162,6 +183,9 @@ class CallbackCore:
             run = None if self.monitor is None else self.monitor.run  # rank 0's store
             if run is not None:  # beside the statistics, for the report
                 write_anomalies(run.path, self._anomalies, source=ANOMALY_SOURCE)
+        if self._loss_hooks is not None:
+            self._loss_hooks.remove()
+            self._loss_hooks = self._loss_scale = None
         if self.monitor is not None:
             self.monitor.close(status)
             self.monitor = None

@@ -37,7 +37,10 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     logger's version folder; ``default_root_dir`` without a logger).
 
     Statistics are taken in ``on_before_optimizer_step``: once per optimizer step after
-    gradient accumulation and before ``gradient_clip_val`` clips. Under
+    gradient accumulation and before ``gradient_clip_val`` clips. The step's loss is stored as
+    name ``"<loss>"``, stat ``value``: the sum of what Lightning backpropagated in the step
+    (each ``training_step`` loss divided by ``accumulate_grad_batches``, unscaled), so the mean
+    over the micro-batches of a full accumulation. Under
     ``precision="16-mixed"`` the Monitor is given the precision plugin's ``GradScaler``
     (``scaler=``): statistics are those of the unscaled gradients, fused optimizers
     included, and each step stores the scale and whether the scaler found an overflow. With
@@ -80,6 +83,13 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
         self._core.start(pl_module, Path(log_dir) / "gradtap",
                          meta={"framework": "lightning"},
                          scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
+                           loss: torch.Tensor) -> None:
+        # The loss Lightning backpropagates: divided by accumulate_grad_batches and, under
+        # 16-mixed, scaled.
+        if self._core.started:
+            self._core.add_loss(loss, scaled=True)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,11 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     Statistics are of the gradients of each optimizer step after gradient accumulation and
     **before clipping**: the step is closed at the end of the backward of the step's last
     micro-batch (if that point is not seen, in ``on_pre_optimizer_step``, after clipping).
+    The step's loss is stored as name ``"<loss>"``, stat ``value``: the loss the model returns
+    (``outputs.loss``, what ``Trainer.compute_loss`` uses), averaged over the step's
+    micro-batches as the Trainer does (summed when the model normalised it by the step's
+    ``num_items_in_batch``); nothing is stored when the model returns no loss (a
+    ``compute_loss_func`` or label smoothing computes it outside the model).
     With ``detect=True`` a detector screens every backward; on an optimizer step where it
     finds an anomaly, or where a gradient holds a NaN/Inf, the gradients are set to ``None``
     in ``on_pre_optimizer_step``, so torch's optimizers leave the parameters and their state
@@ -82,6 +87,8 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         self._hooks: HookSet | None = None
         self._stepped = False
         self._scaler: torch.amp.GradScaler | None = None
+        self._losses: list[torch.Tensor] = []
+        self._normalized = False
 
     # The Trainer restores its state from a checkpoint after on_train_begin: the Monitor is
     # made at the first on_step_begin, when global_step is the resumed one.
@@ -105,9 +112,32 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self._hooks = HookSet()
         self._hooks.after_accumulation([params], self._end_of_backward)
+        self._hooks.module_calls(model, self._before_forward, self._after_forward)
+
+    # The Trainer's loss is the loss the model returns (what its compute_loss uses): divided by
+    # the number of micro-batches of the step, unless the model normalised it by the step's
+    # item count (num_items_in_batch), in which case the micro-batches' losses add up.
+    def _before_forward(self, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            self._normalized = kwargs.get("num_items_in_batch") is not None
+
+    def _after_forward(self, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach())
+
+    def _step_loss(self) -> None:
+        losses, self._losses = self._losses, []
+        if losses:
+            total = torch.stack([v.to(losses[0].device, torch.float64).reshape(())
+                                 for v in losses]).sum()
+            self._core.add_loss(total if self._normalized else total / len(losses))
 
     def _end_of_backward(self, reached: list[int]) -> None:
         if self._sync is not None and self._sync.sync_gradients and not self._stepped:
+            self._step_loss()
             self._core.monitor_step()
             self._stepped = True
 
@@ -116,6 +146,7 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         if not self._core.started:
             return
         if not self._stepped:  # the end of the last backward was not seen: after clipping
+            self._step_loss()
             self._core.monitor_step()
         self._stepped = False
         if self._core.verdict() and optimizer is not None:

@@ -1,8 +1,10 @@
 """Reports of a run: a plain data model read from the run store, rendered to one HTML file.
 
-``write_report(run_dir)`` writes ``run_dir/report.html``: gradient norms per layer over steps
-(log scale), a layers-by-steps heatmap, histograms over time, EWMA bands, update-to-weight
-ratios, anomalies and the run's metadata, as inline SVG in a self-contained page.
+``write_report(run_dir)`` writes ``run_dir/report.html``: the loss, gradient norms per layer
+over steps (log scale), the noise scale, gain and RMS (:mod:`gradtap.report.health`), a
+layers-by-steps heatmap and one per split parameter's slices, histograms over time, EWMA
+bands, update-to-weight ratios, anomalies and the run's metadata, as inline SVG in a
+self-contained page.
 ``list_runs(root)`` finds run directories. The report only reads and renders a run; the
 training loop of ``gradtap demo`` lives in :mod:`gradtap.demo`.
 """

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gradtap.errors import StoreError
+from gradtap.report.health import HealthData, is_slice, read_health
 from gradtap.store import DB_NAME, Run, open_run
 
 __all__ = [
@@ -242,6 +243,7 @@ class ReportData:
     spikes: list[dict[str, Any]] = field(default_factory=list)
     # step -> the smallest clip_factor a spike rule applied at that step (only steps < 1)
     clipped: dict[int, float] = field(default_factory=dict)
+    health: HealthData = field(default_factory=HealthData)
 
 
 def _order(names: Iterable[str], meta: dict[str, Any], kind: str) -> list[str]:
@@ -323,7 +325,8 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
         for kind in ("param_grad", "grad_output", "update"):
             if kind not in kinds:
                 continue
-            for name in _order(names, meta, kind):
+            # split= slices have a panel of their own (the experts' heatmaps)
+            for name in _order([n for n in names if not is_slice(n)], meta, kind):
                 s = reader.get(name, "norm", kind)
                 if s is not None:
                     data.norms.setdefault(kind, {})[name] = s
@@ -355,6 +358,13 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
             chosen = (weights or available)[:max_hists]
         for name in chosen:
             data.histograms[name] = run.histogram(name, data.hist_kind)
+        wanted = ("gns", "gain", "rms", "value")
+        if set(wanted) & set(run.stats) or any(is_slice(n) for n in names):
+            health = _SeriesReader(run, wanted, ("param_grad", "grad_output", "param", "update"))
+            data.health = read_health(
+                _order(names, meta, "param_grad"),
+                lambda n, st, k: (reader if st == "norm" else health).get(n, st, k),
+                meta.get("config") or {})
     except sqlite3.Error as err:
         raise _damaged(run, err) from err
     data.anomalies, data.anomaly_source = read_anomalies(run.path)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gradtap._tensorops import ewma_init, ewma_update_
-from gradtap.report import svg, tables
+from gradtap.report import health, svg, tables
 from gradtap.report.assets import CSS, JS
 from gradtap.report.data import ReportData, build_report_data
 from gradtap.store import Run
@@ -64,9 +64,14 @@ def render_html(data: ReportData | Run | str | os.PathLike[str]) -> str:
         data = build_report_data(data)
     sections = [
         ("overview", "Overview", tables.overview(data)),
+        ("loss", "Loss", health.loss_section(data.health)),
         ("metrics", "Training", _metrics(data)),
         ("norms", "Gradient norms", _norms(data)),
         ("spikes", "Gradient spikes", tables.spikes(data)),
+        ("gns", "Gradient noise scale", health.gns_section(data.health)),
+        ("gain", "Gradient gain", health.gain_section(data.health)),
+        ("rms", "RMS", health.rms_section(data.health)),
+        ("experts", "Slices (experts)", health.experts_section(data.health)),
         ("heatmap", "Layers × steps", _heatmaps(data)),
         ("histograms", "Histograms", _histograms(data)),
         ("ewma", "EWMA bands", _ewma(data)),
