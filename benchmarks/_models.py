@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from gradtap import examples
 
-__all__ = ["mlp", "resnet18_like", "small_cnn"]
+__all__ = ["mlp", "resnet18_like", "small_cnn", "transformer_lm"]
 
 
 def _data(shape: tuple[int, ...], seed: int) -> tuple[Tensor, Tensor]:
@@ -37,6 +37,38 @@ def resnet18_like(batch: int = 16, width: int = 64, seed: int = 0) -> tuple[nn.M
     11.2M parameters) on random inputs [batch, 3, 32, 32]."""
     torch.manual_seed(seed)
     return (examples.resnet18_like(width=width), *_data((batch, 3, 32, 32), seed))
+
+
+class TransformerLM(nn.Module):
+    """Token embedding + learned positions, causal pre-norm ``TransformerEncoder`` (no dropout),
+    LM head: ``tokens [N, T] -> logits [N, T, vocab]``."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, tokens: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(tokens, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(tokens),
+                             persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.emb(tokens) + self.pos[: tokens.shape[1]]
+        h = self.blocks(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def transformer_lm(batch: int = 16, tokens: int = 64, dim: int = 128, layers: int = 2,
+                   vocab: int = 512, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """A small causal transformer LM (4 heads) on random tokens [batch, tokens]; the target is
+    the next token ([batch, tokens], for ``F.cross_entropy`` over the flattened logits)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, vocab, (batch, tokens + 1), generator=g)
+    return TransformerLM(vocab, dim, 4, layers, tokens), seq[:, :-1], seq[:, 1:]
 
 
 def bare_stat_kernels(model: nn.Module) -> object:

@@ -87,3 +87,19 @@ def test_distributed_quick(capsys):
     monitor_rows = [r for r in comm.splitlines() if "Monitor.step()" in r]
     assert len(monitor_rows) == 3 and all("| 2 | all_reduce x2 |" in r for r in monitor_rows)
     assert "reduce_scatter" in comm  # FSDP2's own step, for comparison
+
+
+def test_spike_control_quick(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert importlib.import_module("spike_control").main(["--quick"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| variant | time / step | vs clip_grad_norm_(1.0) | vs zclip package |" in out
+    assert "| clipping alone | time / call |" in out
+    for row in ("gt.zclip(), when='step'", "gt.adagc()", "gt.agc()", "gt.adagn()",
+                "gt.spam_clip()", "| zclip package: ZClip.step(model) |"):
+        assert out.count(row) == 2, row

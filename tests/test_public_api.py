@@ -18,6 +18,7 @@ CONTRACT = {
     "transforms": {"Transform", "add_noise", "centralize", "chain", "clip_global_norm",
                    "clip_norm", "clip_value", "ewma", "flip", "normalize", "scale", "stateless",
                    "transform", "TransformHandle", "zero"},
+    "spike_control": {"zclip", "adagc", "agc", "adagn", "spam_clip"},
 }
 
 

@@ -25,7 +25,7 @@ from gradtap._tensorops.l2 import group_sumsq
 _T = TypeVar("_T", bound=Tensor | None)
 
 __all__ = ["all_ranks_max", "centered_rows", "is_distributed", "is_sharded", "local", "rebuild",
-           "sumsq_whole", "world"]
+           "row_norms", "sumsq_whole", "world"]
 
 
 def is_sharded(t: object) -> bool:
@@ -117,10 +117,13 @@ def sumsq_whole(tensors: Sequence[Tensor], what: str = "gradtap") -> Tensor:
         return torch.zeros(0, dtype=torch.float64)
     parts = [local(t).detach() for t in tensors]
     device = parts[0].device
-    out = torch.zeros(len(parts), dtype=torch.float64, device=device)
+    # Values are gathered and put back in order by views and stacks, never through an index
+    # tensor made from a Python list (a host-to-device copy, which waits for the device).
+    out: list[Any] = [None] * len(parts)
     for idx in group_by_device_dtype(parts).values():
-        sums = group_sumsq([parts[i] for i in idx])
-        out[torch.as_tensor(idx, device=device)] = sums.to(device)
+        sums = group_sumsq([parts[i] for i in idx]).to(device)
+        for j, i in enumerate(idx):
+            out[i] = sums[j]
     by_sharding: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, t in enumerate(tensors):
         if is_sharded(t):
@@ -131,12 +134,12 @@ def sumsq_whole(tensors: Sequence[Tensor], what: str = "gradtap") -> Tensor:
     import torch.distributed as dist
 
     for (_, dims), (mesh, idx) in by_sharding.items():
-        index = torch.as_tensor(idx, device=device)
-        vec = out[index]
+        vec = torch.stack([out[i] for i in idx])
         for d in dims:
             vec = _all_reduce(vec, dist.ReduceOp.SUM, mesh.get_group(d))
-        out[index] = vec
-    return out
+        for j, i in enumerate(idx):
+            out[i] = vec[j]
+    return torch.stack(out)
 
 
 def centered_rows(t: Tensor) -> Tensor:
@@ -166,6 +169,34 @@ def centered_rows(t: Tensor) -> Tensor:
         sums = _all_reduce(sums, dist.ReduceOp.SUM, t.device_mesh.get_group(d))  # type: ignore[attr-defined]
     count = math.prod(t.shape[1:])
     return rebuild(t, part - (sums / count).to(part.dtype))
+
+
+def row_norms(t: Tensor, acc: torch.dtype) -> Tensor:
+    """L2 norm of each row (over every dimension but the first) of the whole tensor, in
+    ``acc``, shaped like this rank's rows with size-1 trailing dimensions (``keepdim``). A
+    sharded tensor's squares are summed across the mesh dimensions that shard a dimension
+    other than the first (sharded by rows only, FSDP2's default, nothing is communicated).
+
+    Example:
+        >>> import torch
+        >>> row_norms(torch.tensor([[3.0, 4.0], [0.0, 2.0]]), torch.float32)
+        tensor([[5.],
+                [2.]])
+    """
+    dims = tuple(range(1, t.dim()))
+    if not is_sharded(t):
+        return torch.linalg.vector_norm(t, dim=dims, keepdim=True, dtype=acc)
+    import torch.distributed as dist
+
+    part = local(t)
+    across = [i for i, p in enumerate(t.placements)  # type: ignore[attr-defined]
+              if p.is_shard() and p.dim % t.dim() != 0]
+    if not across:
+        return torch.linalg.vector_norm(part, dim=dims, keepdim=True, dtype=acc)
+    sums = part.to(acc).square().sum(dim=dims, keepdim=True)
+    for d in across:
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, t.device_mesh.get_group(d))  # type: ignore[attr-defined]
+    return sums.sqrt()
 
 
 def all_ranks_max(values: Tensor) -> Tensor:

@@ -1,8 +1,10 @@
 """When and where transforms run: one installer per ``when`` / ``on``, all through capture.
 
 * ``when="accumulate"``: a post-accumulate event per parameter (``HookSet``); group-only
-  rules once at the end of each backward that reached them;
-* ``when="step"``: every rule over its parameters' ``.grad`` right before ``optimizer.step()``;
+  rules once at the end of each backward that reached them, over all their parameters;
+  batched rules (the spike rules) at the end of each backward, over the parameters it reached;
+* ``when="step"``: every rule over its parameters' ``.grad`` right before ``optimizer.step()``
+  (rules that read the optimizer get it as ``optimizer=``);
 * ``when="backward"``: each call's contribution to a parameter, rewritten by a tap's
   :class:`~gradtap.capture.Listener`, and a post-accumulate check that every gradient went
   through such a call;
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradtap._transform.base import is_group_only
+from gradtap._transform.base import is_batched, is_group_only, needs
 from gradtap._transform.plan import Plan, Rule
 from gradtap._transform.state import Entry, StateTable
 from gradtap._transform.update import apply_group, apply_one
@@ -73,9 +75,13 @@ def _by_rule(targets: _Group) -> list[_Group]:
 def _install_accumulate(targets: _Group, hooks: HookSet, amp: ScalerWatch | None) -> None:
     factor_of = None if amp is None else amp.factor
     whole: _Group = []
+    batched: _Group = []
     for entry, param in targets:
         if is_group_only(entry.transform):
             whole.append((entry, param))
+            continue
+        if is_batched(entry.transform) and entry.transform.update_many is not None:
+            batched.append((entry, param))
             continue
 
         def on_accumulated(p: Tensor, _entry: Entry = entry) -> None:
@@ -95,18 +101,30 @@ def _install_accumulate(targets: _Group, hooks: HookSet, amp: ScalerWatch | None
                 apply_group(groups[i], factor_of)
 
         hooks.after_accumulation([[p for _, p in group] for group in groups], after_backward)
+    if batched:
+        # Per-tensor rules with a batched update_many: the same result as one by one as each
+        # .grad is accumulated, in a few kernels for all the parameters the backward reached.
+        singles = [(entry, param) for entry, param in batched]
+
+        def after_backward_each(reached: list[int]) -> None:
+            for group in _by_rule([singles[i] for i in reached]):
+                apply_group(group, factor_of)
+
+        hooks.after_accumulation([[p] for _, p in singles], after_backward_each)
 
 
 def _install_step(targets: _Group, hooks: HookSet, optimizer: torch.optim.Optimizer,
                   amp: ScalerWatch | None) -> None:
     groups = _by_rule(targets)
     factor_of = None if amp is None else amp.factor
+    extras = [{"optimizer": optimizer} if "optimizer" in needs(group[0][0].transform) else {}
+              for group in groups]
 
     def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # Unfused: scaler.step unscaled the gradients first (and skips the step on an
         # overflow); fused: they are still scaled here.
-        for group in groups:
-            apply_group(group, factor_of)
+        for group, extra in zip(groups, extras, strict=True):
+            apply_group(group, factor_of, extra)
 
     hooks.optimizer_step_pre(optimizer, before_step)
 

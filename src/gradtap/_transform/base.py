@@ -18,6 +18,12 @@ new_states)`` over every tensor one rule matched (lists, in plan order).
 once. A transform whose per-tensor ``update`` cannot be meaningful (``clip_global_norm``) is
 *group-only*: it can only run through ``update_many``, which :func:`gradtap.transform` also
 calls at the end of each backward with ``when="accumulate"``.
+
+Built-in transforms may carry three more marks on their ``update`` (``chain`` combines them):
+the factor their state reports (:func:`factor_fn`, read by ``TransformHandle.last_factors``),
+the keyword extras they need from the driver (:func:`needs`: ``"optimizer"``, ``"param"``),
+and whether, with ``when="accumulate"``, the driver should run them through ``update_many``
+over the parameters each backward reached (:func:`is_batched`) rather than one by one.
 """
 
 from __future__ import annotations
@@ -27,14 +33,21 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = ["Transform", "chain", "is_group_only", "stateless"]
+__all__ = ["Transform", "chain", "factor_fn", "group_only_name", "is_batched", "is_group_only",
+           "needs", "stateless"]
 
 #: A transform's state: tensors, numbers, strings, None, and tuples/lists/dicts of them.
 State = Any
 
 # Marker set on the per-tensor ``update`` of group-only transforms (and of chains holding one),
-# so gradtap.transform can refuse them before any backward runs.
+# so gradtap.transform can refuse them before any backward runs. Its value names the transform.
 _GROUP_ONLY = "_gradtap_group_only"
+# ``state -> 0-dim factor`` of transforms that report what they multiplied the gradient by.
+_FACTOR = "_gradtap_factor"
+# Keyword extras a transform needs from the driver (a frozenset of names).
+_NEEDS = "_gradtap_needs"
+# Run through update_many over the parameters a backward reached (when="accumulate").
+_BATCHED = "_gradtap_batched"
 
 
 class InitFn(Protocol):
@@ -101,8 +114,43 @@ def is_group_only(t: Transform) -> bool:
     return bool(getattr(t.update, _GROUP_ONLY, False))
 
 
-def _mark_group_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(fn, _GROUP_ONLY, True)
+def group_only_name(t: Transform) -> str:
+    """The name of the group-only transform in ``t`` (for messages), e.g. ``"clip_global_norm"``."""
+    name = getattr(t.update, _GROUP_ONLY, None)
+    return name if isinstance(name, str) else "this transform"
+
+
+def factor_fn(t: Transform) -> Callable[[State], Tensor] | None:
+    """``state -> 0-dim factor`` the gradient was last multiplied by, or None when ``t`` does
+    not report one."""
+    return getattr(t.update, _FACTOR, None)
+
+
+def needs(t: Transform) -> frozenset[str]:
+    """Keyword extras ``t`` needs from the driver: ``"optimizer"`` (passed as ``optimizer=``),
+    ``"param"`` (a parameter, so no activation gradients)."""
+    return getattr(t.update, _NEEDS, frozenset())
+
+
+def is_batched(t: Transform) -> bool:
+    """Whether ``when="accumulate"`` runs ``t`` through ``update_many`` at the end of a backward."""
+    return bool(getattr(t.update, _BATCHED, False))
+
+
+def _mark_group_only(fn: Callable[..., Any], name: str = "clip_global_norm") -> Callable[..., Any]:
+    setattr(fn, _GROUP_ONLY, name)
+    return fn
+
+
+def _mark(fn: Callable[..., Any], *, factor: Callable[[State], Tensor] | None = None,
+          needs: frozenset[str] = frozenset(), batched: bool = False) -> Callable[..., Any]:
+    """Set the marks of :func:`factor_fn`, :func:`needs` and :func:`is_batched` on ``fn``."""
+    if factor is not None:
+        setattr(fn, _FACTOR, factor)
+    if needs:
+        setattr(fn, _NEEDS, frozenset(needs))
+    if batched:
+        setattr(fn, _BATCHED, True)
     return fn
 
 
@@ -183,8 +231,12 @@ def chain(*parts: Transform) -> Transform:
             new_states.append(sub)
         return grad, tuple(new_states)
 
-    if any(is_group_only(part) for part in members):
-        _mark_group_only(update)
+    group_only = [part for part in members if is_group_only(part)]
+    if group_only:
+        _mark_group_only(update, group_only_name(group_only[0]))
+    _mark(update, factor=_chain_factor(members),
+          needs=frozenset().union(*(needs(part) for part in members)),
+          batched=any(is_batched(part) for part in members))
 
     if not any(part.update_many is not None for part in members):
         return Transform(init, update)
@@ -212,3 +264,21 @@ def chain(*parts: Transform) -> Transform:
         return grads, new_states
 
     return Transform(init, update, update_many)
+
+
+def _chain_factor(members: tuple[Transform, ...]) -> Callable[[State], Tensor] | None:
+    """The product of the factors the members of a chain report (None when none does)."""
+    parts = [(k, fn) for k, part in enumerate(members) if (fn := factor_fn(part)) is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        k, fn = parts[0]
+        return lambda state: fn(state[k])
+
+    def product(state: State) -> Tensor:
+        out = parts[0][1](state[parts[0][0]])
+        for k, fn in parts[1:]:
+            out = out * fn(state[k]).to(out.device)
+        return out
+
+    return product

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gradtap._transform.apply import install
+from gradtap._transform.base import factor_fn
 from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
@@ -85,6 +86,33 @@ class TransformHandle:
         modules that no rule matched are absent.
         """
         return self._plan.labels()
+
+    @property
+    def last_factors(self) -> dict[str, Tensor]:
+        """What the spike rules did at the last step: ``{name: factor}``.
+
+        For each parameter (or slot) whose rule holds a spike-control transform (``zclip``,
+        ``adagc``, ``agc``, ``adagn``, ``spam_clip``; the product when a chain holds
+        several), the factor its gradient was multiplied by the last time the rule ran on it:
+        a 0-dim tensor on the device, 1.0 where the rule left it alone (and before the first
+        step); for the unit- and element-wise rules the ratio of its norms after/before.
+        Reading it does not sync with the host; ``float()`` on a value does.
+
+        Example:
+            >>> import torch, gradtap as gt
+            >>> net = torch.nn.Linear(2, 1)
+            >>> h = gt.transform(net, {"weight": gt.zclip(warmup=1, max_norm=0.5)})
+            >>> net(torch.tensor([[3.0, 4.0]])).sum().backward()   # warm-up, norm 5 > 0.5
+            >>> {n: round(float(f), 4) for n, f in h.last_factors.items()}
+            {'weight': 0.1}
+            >>> h.remove()
+        """
+        out: dict[str, Tensor] = {}
+        for name, entry in self._states.entries.items():
+            fn = factor_fn(entry.transform)
+            if fn is not None:
+                out[name] = fn(entry.state)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Return a copy of every transform state, keyed by parameter name or slot.
@@ -178,6 +206,12 @@ def transform(
     of those ``.grad`` never exceeds ``max_norm`` between backwards. To clip the sum of the
     micro-batches once, use ``"step"``. ``"backward"`` and activation gradients refuse it.
 
+    The spike-control rules (``zclip``, ``adagc``, ``agc``, ``adagn``, ``spam_clip``) run
+    batched over their rule's parameters: with ``"accumulate"`` at the end of each backward,
+    over the parameters it reached (``zclip`` without ``per_tensor`` and ``adagc`` over all
+    of them, as ``clip_global_norm``); ``spam_clip`` reads the optimizer's ``exp_avg_sq`` and
+    needs ``"step"``. :attr:`TransformHandle.last_factors` says what they did.
+
     Under ``DistributedDataParallel`` and FSDP2 (``fully_shard``) parameter gradients are
     transformed with ``when="step"``: the gradients after the cross-rank reduction (DDP's
     average, the same on every rank; FSDP2's reduce-scattered shards), right before
@@ -218,7 +252,10 @@ def transform(
     Raises:
         SelectionError: a rule matches nothing.
         ValueError: unknown ``when``/``on``, ``when="step"`` without an optimizer,
-            ``clip_global_norm`` with ``when="backward"`` or on activation gradients,
+            ``clip_global_norm`` (or ``zclip`` without ``per_tensor``, ``adagc``) with
+            ``when="backward"`` or on activation gradients, ``agc`` or ``spam_clip`` on
+            activation gradients, ``spam_clip`` without ``when="step"`` and an Adam-like
+            optimizer,
             parameter gradients of a DDP-wrapped or FSDP2 model at another ``when`` than
             ``"step"``; and,
             during backward or step, a

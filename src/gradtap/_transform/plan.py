@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gradtap._tensorops.sharded import is_sharded
-from gradtap._transform.base import Transform, is_group_only
+from gradtap._transform.base import Transform, group_only_name, is_group_only, needs
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
@@ -182,11 +182,15 @@ def _plan_params(
         for _, rule in pairs:
             if is_group_only(rule.transform):
                 raise ValueError(
-                    f"rule {rule.label!r}: clip_global_norm needs every gradient the rule matched at "
-                    "once; when='backward' transforms each call's contribution as it arrives "
-                    "(use when='accumulate' to clip after each backward, when='step' to clip "
-                    "before each optimizer step, or clip_norm for a per-tensor bound)"
+                    f"rule {rule.label!r}: {group_only_name(rule.transform)} needs every "
+                    "gradient the rule matched at once; when='backward' transforms each call's "
+                    "contribution as it arrives (use when='accumulate' to clip after each "
+                    "backward, when='step' to clip before each optimizer step, or clip_norm "
+                    "for a per-tensor bound)"
                 )
+    for _, rule in pairs:
+        if "optimizer" in needs(rule.transform):
+            _check_optimizer_rule(rule, when, optimizer)
     params = dict(model.named_parameters())
     if when != "step" and any(is_sharded(p) for p in params.values()):
         raise ValueError(
@@ -219,13 +223,38 @@ def _plan_params(
     return {name: ParamTarget(owner[name], p) for name, p in params.items() if name in owner}
 
 
+def _check_optimizer_rule(rule: Rule, when: WhenLiteral,
+                          optimizer: torch.optim.Optimizer | None) -> None:
+    """A rule that reads the optimizer's state (spam_clip) runs at when='step' with an
+    Adam-like optimizer (one with ``betas``; its state is checked again at each step)."""
+    if when != "step" or optimizer is None:
+        raise ValueError(
+            f"rule {rule.label!r}: spam_clip reads the optimizer's exp_avg_sq, so it runs "
+            f"right before optimizer.step(): use when='step' with optimizer=<an Adam-like "
+            f"optimizer>; got when={when!r}"
+        )
+    if "betas" not in optimizer.defaults:
+        raise ValueError(
+            f"rule {rule.label!r}: spam_clip needs an Adam-like optimizer (Adam, AdamW, NAdam, "
+            f"RAdam, ...: one that keeps exp_avg_sq); got {type(optimizer).__name__}"
+        )
+
+
 def _plan_modules(model: nn.Module, pairs: list[tuple[Any, Rule]], on: OnLiteral) -> dict[str, Rule]:
     for _, rule in pairs:
         if is_group_only(rule.transform):
             raise ValueError(
-                f"rule {rule.label!r}: clip_global_norm needs every gradient the rule matched at "
-                f"once; on={on!r} transforms each call's gradient as it arrives, so it "
-                "cannot be used here (use clip_norm for a per-tensor bound)"
+                f"rule {rule.label!r}: {group_only_name(rule.transform)} needs every gradient "
+                f"the rule matched at once; on={on!r} transforms each call's gradient as it "
+                "arrives, so it cannot be used here (use clip_norm for a per-tensor bound)"
+            )
+        needed = needs(rule.transform) & {"param", "optimizer"}
+        if needed:
+            raise ValueError(
+                f"rule {rule.label!r}: this transform (agc, spam_clip) reads the parameter "
+                f"{'and the optimizer state ' if 'optimizer' in needed else ''}of the "
+                f"gradient it changes; on={on!r} transforms activation gradients, which have "
+                "none (use it on parameter gradients, on='param_grad')"
             )
     matches = [[n for n, _ in select_modules(model, key)] for key, _ in pairs]
     owner = _assign([rule for _, rule in pairs], matches, "module")

@@ -9,7 +9,7 @@ gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -24,7 +24,7 @@ FactorOf = Callable[[Tensor], "Tensor | None"]
 
 
 def apply_one(entry: Entry, grad: Tensor, param: Tensor | None,
-              factor: Tensor | None = None) -> Tensor:
+              factor: Tensor | None = None, extra: Mapping[str, Any] | None = None) -> Tensor:
     """Return ``entry``'s transform of ``grad`` and keep its new state.
 
     With ``factor`` (a 0-dim tensor: the grad scaler's scale still on ``grad``) the transform
@@ -40,9 +40,9 @@ def apply_one(entry: Entry, grad: Tensor, param: Tensor | None,
     """
     if factor is not None:
         f = factor.to(grad.device)
-        new = apply_one(entry, (grad / f).to(grad.dtype), param)
+        new = apply_one(entry, (grad / f).to(grad.dtype), param, extra=extra)
         return (new * f).to(grad.dtype)
-    result = entry.transform.update(grad, entry.state, param)
+    result = entry.transform.update(grad, entry.state, param, **(extra or {}))
     # Cheap metadata checks on the hot path; the message is built only on failure.
     if not (isinstance(result, tuple) and len(result) == 2):
         _unpack(result, entry.label, entry.where)
@@ -58,32 +58,34 @@ def apply_one(entry: Entry, grad: Tensor, param: Tensor | None,
     return new
 
 
-def apply_group(targets: Sequence[tuple[Entry, Tensor]], factor_of: FactorOf | None = None
-                ) -> None:
+def apply_group(targets: Sequence[tuple[Entry, Tensor]], factor_of: FactorOf | None = None,
+                extra: Mapping[str, Any] | None = None) -> None:
     """Transform the ``.grad`` of every parameter of one rule that has one, in place.
 
     ``targets`` are ``(entry, parameter)`` pairs of one rule, in plan order. A transform
     with ``update_many`` gets them all at once; one without it runs per tensor. With
     ``factor_of``, each gradient is divided by the factor a grad scaler left on it before
-    the transform and multiplied by it after (see :func:`apply_one`).
+    the transform and multiplied by it after (see :func:`apply_one`). ``extra`` holds the
+    keyword extras the rule's transform needs (``optimizer=``).
     """
+    extra = extra or {}
     live = [(e, p, g) for e, p in targets if (g := p.grad) is not None]
     if not live:
         return
     if factor_of is not None:
         factors = [factor_of(p) for _, p, _ in live]
         if any(f is not None for f in factors):
-            _apply_group_scaled(live, factors)
+            _apply_group_scaled(live, factors, extra)
             return
     first = live[0][0]
     update_many = first.transform.update_many
     if update_many is None:
         for e, p, g in live:
-            p.grad = apply_one(e, g, p)
+            p.grad = apply_one(e, g, p, extra=extra)
         return
     label = first.label
     grads = [g for _, _, g in live]
-    result = update_many(grads, [e.state for e, _, _ in live], [p for _, p, _ in live])
+    result = update_many(grads, [e.state for e, _, _ in live], [p for _, p, _ in live], **extra)
     new_grads, new_states = _unpack(result, label, "its parameters (update_many)")
     new_grads, new_states = list(new_grads), list(new_states)
     if len(new_grads) != len(live) or len(new_states) != len(live):
@@ -99,12 +101,12 @@ def apply_group(targets: Sequence[tuple[Entry, Tensor]], factor_of: FactorOf | N
 
 
 def _apply_group_scaled(live: list[tuple[Entry, Tensor, Tensor]],
-                        factors: list[Tensor | None]) -> None:
+                        factors: list[Tensor | None], extra: Mapping[str, Any]) -> None:
     fs = [None if f is None else f.to(g.device) for (_, _, g), f in zip(live, factors)]
     for (_, p, g), f in zip(live, fs):
         if f is not None:
             p.grad = (g / f).to(g.dtype)
-    apply_group([(e, p) for e, p, _ in live])
+    apply_group([(e, p) for e, p, _ in live], extra=extra)
     for (_, p, g), f in zip(live, fs):
         new = p.grad
         if f is not None and new is not None:
