@@ -123,7 +123,8 @@ class TinyLM(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
         h = self.emb(tokens) + self.pos[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        mask: Tensor = self.mask  # type: ignore[assignment]  # a buffer
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
 
 
