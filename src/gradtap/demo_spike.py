@@ -104,7 +104,7 @@ def grammar_tokens(n: int, seed: int = 0) -> Tensor:
 
 class TinyLM(nn.Module):
     """Token embedding + learned positions, a causal pre-norm ``nn.TransformerEncoder`` (no
-    dropout) and an LM head: ``tokens [N, T] -> logits [N, T, vocab]`` (~104k parameters at the
+    dropout) and an LM head: ``tokens [N, T] -> logits [N, T, vocab]`` (~107k parameters at the
     defaults)."""
 
     def __init__(self, vocab: int = len(VOCAB), dim: int = 64, heads: int = 4, layers: int = 2,
