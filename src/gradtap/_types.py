@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeAlias, TypeGuard
+from typing import Literal, TypeAlias, TypeGuard, get_args
 
 from torch import nn
 
@@ -30,6 +30,13 @@ KeepLiteral = Literal["inputs", "outputs"]
 WhenLiteral = Literal["backward", "accumulate", "step"]
 OnLiteral = Literal["param_grad", "grad_output", "grad_input"]
 StatName = Literal["norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac"]
+ActionLiteral = Literal["raise", "warn", "record"]
+
+# Each vocabulary once: the literal types above, and their values for checks and messages.
+WHENS: tuple[str, ...] = get_args(WhenLiteral)
+ONS: tuple[str, ...] = get_args(OnLiteral)
+STAT_NAMES: tuple[str, ...] = get_args(StatName)
+ACTIONS: tuple[str, ...] = get_args(ActionLiteral)
 
 
 def is_int(value: object) -> TypeGuard[int]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradtap._types import STAT_NAMES
 from gradtap.errors import SelectionError, StoreError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,10 +39,8 @@ SCHEMA_VERSION = 1
 APPLICATION_ID = 0x67747031
 
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
-ALL_STAT_NAMES = (
-    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac", "ratio", "cosine",
-    "amp_scale", "zscore", "clip_factor",
-)  # fmt: skip
+#: Every stat a run stores: the moments' statistics, then those of particular kinds.
+ALL_STAT_NAMES = (*STAT_NAMES, "ratio", "cosine", "amp_scale", "zscore", "clip_factor")
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from gradtap._types import is_int
+from gradtap._types import ACTIONS, ActionLiteral, is_int
 
 __all__ = ["ActionLiteral", "ScreenLiteral", "check_options"]
 
-ActionLiteral = Literal["raise", "warn", "record"]
-_ACTIONS = ("raise", "warn", "record")
 ScreenLiteral = Literal["model", "modules"]
 _SCREENS = ("model", "modules")
 
@@ -23,8 +21,8 @@ _SCREENS = ("model", "modules")
 def check_options(*, action: str, spike: float | None, warmup: int, spike_beta: float,
                   nonfinite: bool, replay: bool | None, screen: str | None) -> bool:
     """Whether the step is replayed (the default watch), or a ``ValueError`` for a bad option."""
-    if action not in _ACTIONS:
-        raise ValueError(f"action must be one of {', '.join(map(repr, _ACTIONS))}; "
+    if action not in ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(map(repr, ACTIONS))}; "
                          f"got {action!r}")
     if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float))
                               or not spike > 1.0 or math.isinf(spike)):

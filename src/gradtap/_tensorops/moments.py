@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradtap import _types
 from gradtap._tensorops.groups import Scratch, group_by_device_dtype
 from gradtap._tensorops.histograms import histogram_counts
 from gradtap._tensorops.host import HostCopy
@@ -58,9 +59,7 @@ __all__ = [
     "tensor_moments",
 ]
 
-STAT_NAMES: tuple[str, ...] = (
-    "norm", "mean", "std", "absmax", "min", "max", "nonfinite", "zero_frac",
-)  # fmt: skip
+STAT_NAMES = _types.STAT_NAMES  # the moments' statistics, named once in gradtap._types
 #: Fields combined across parts by summing (``hist`` too) and by taking the maximum.
 SUM_FIELDS: tuple[str, ...] = ("sum", "sumsq", "m2", "nonfinite", "nonzero")
 MAX_FIELDS: tuple[str, ...] = ("max", "negmin")

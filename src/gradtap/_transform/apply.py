@@ -104,13 +104,11 @@ def _install_accumulate(targets: _Group, hooks: HookSet, amp: ScalerWatch | None
     if batched:
         # Per-tensor rules with a batched update_many: the same result as one by one as each
         # .grad is accumulated, in a few kernels for all the parameters the backward reached.
-        singles = [(entry, param) for entry, param in batched]
-
         def after_backward_each(reached: list[int]) -> None:
-            for group in _by_rule([singles[i] for i in reached]):
+            for group in _by_rule([batched[i] for i in reached]):
                 apply_group(group, factor_of)
 
-        hooks.after_accumulation([[p] for _, p in singles], after_backward_each)
+        hooks.after_accumulation([[p] for _, p in batched], after_backward_each)
 
 
 def _install_step(targets: _Group, hooks: HookSet, optimizer: torch.optim.Optimizer,

@@ -22,6 +22,7 @@ from gradtap._transform.plan import Rules, make_plan
 from gradtap._transform.state import StateTable
 from gradtap._types import OnLiteral, WhenLiteral
 from gradtap.capture import HookSet, Tap, check_scaler, compiled_feature, session
+from gradtap.select import clean_name
 
 __all__ = ["Rules", "TransformHandle", "transform"]
 
@@ -74,6 +75,9 @@ class TransformHandle:
             with compiled_feature(feature):
                 self._tap = install(model, self._plan, self._states, self._hooks, optimizer,
                                     amp)
+            if self.on == "param_grad":  # a Monitor on the model stores them (clip_factor)
+                self._hooks.add_cleanup(sess.publish(
+                    "clip_factor", lambda: {clean_name(n): f for n, f in self.last_factors.items()}))
         except BaseException:
             self.remove()
             raise

@@ -16,14 +16,12 @@ from torch import nn
 
 from gradtap._tensorops.sharded import is_sharded
 from gradtap._transform.base import Transform, group_only_name, is_group_only, needs
-from gradtap._types import OnLiteral, WhenLiteral
+from gradtap._types import ONS, WHENS, OnLiteral, WhenLiteral
 from gradtap.errors import SelectionError
 from gradtap.select import select_modules, select_parameters
 
 __all__ = ["ParamTarget", "Plan", "Rule", "Rules", "make_plan"]
 
-_WHENS: tuple[str, ...] = ("backward", "accumulate", "step")
-_ONS: tuple[str, ...] = ("param_grad", "grad_output", "grad_input")
 
 #: What :func:`gradtap.transform` accepts as rules. Keys are selectors (see
 #: :mod:`gradtap.select`); ``Any`` because a ``Mapping`` is invariant in its key type, so a
@@ -94,13 +92,13 @@ def _check_options(
     when: WhenLiteral | None, on: OnLiteral, optimizer: torch.optim.Optimizer | None
 ) -> WhenLiteral:
     """Return ``when`` with its default filled in; raise on a combination that cannot work."""
-    if on not in _ONS:
-        raise ValueError(f"transform(): unknown on={on!r}; expected one of {', '.join(map(repr, _ONS))}")
+    if on not in ONS:
+        raise ValueError(f"transform(): unknown on={on!r}; expected one of {', '.join(map(repr, ONS))}")
     if when is None:
         when = "accumulate" if on == "param_grad" else "backward"
-    if when not in _WHENS:
+    if when not in WHENS:
         raise ValueError(
-            f"transform(): unknown when={when!r}; expected one of {', '.join(map(repr, _WHENS))}"
+            f"transform(): unknown when={when!r}; expected one of {', '.join(map(repr, WHENS))}"
         )
     if on != "param_grad" and when != "backward":
         raise ValueError(
