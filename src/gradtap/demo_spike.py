@@ -282,7 +282,9 @@ def _train(method: str, run_dir: Path, layers: dict[int, str], steps: int, seed:
             loss = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
             loss.backward()
             if mon is not None:
-                mon.step()  # the gradients backward produced, spike included
+                # The gradients backward produced, spike included. The rules run later, in
+                # opt.step(), so the clip_factor this stores is the previous step's.
+                mon.step()
             if method == "clip_grad_norm_(1.0)":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()  # the spike rules run here (when="step")
