@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spike", type=float, default=None, metavar="FACTOR",
                    help="also record gradient-norm spikes above FACTOR times their EWMA "
                         "(e.g. 10; needs gradtap.detect)")
+    p.add_argument("--inject-spike", type=_step_list, default=None, metavar="STEP[,STEP...]",
+                   help="run the spike-control demo instead: a small transformer LM on a "
+                        "generated grammar, with one layer's gradient multiplied by 1000 at "
+                        "each STEP, trained four ways (no clipping, clip_grad_norm_, gt.zclip, "
+                        "gt.adagc) from the same seed; e.g. --inject-spike 100,130,160")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     p.set_defaults(func=_cmd_demo)
 
@@ -234,6 +239,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.inject_spike is not None:
+        return _cmd_spike_demo(args)
     from gradtap.demo import run_demo
     from gradtap.errors import StoreError
     from gradtap.report import layer_summary, write_report
@@ -272,6 +279,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print("\n".join(format_table(header, rows, align="l" + "r" * (len(header) - 1))))
     print()
     print(f"run store: {result.run_dir / 'run.db'}")
+    print(f"report:    {report}")
+    return 0
+
+
+def _cmd_spike_demo(args: argparse.Namespace) -> int:
+    from gradtap.demo_spike import (
+        PRE_STEPS,
+        RECOVERY_STEPS,
+        RECOVERY_TOL,
+        run_spike_demo,
+    )
+    from gradtap.errors import StoreError
+    from gradtap.report import write_report
+
+    for option in ("inject_nan", "spike"):
+        if getattr(args, option) is not None:
+            raise _CliError(f"--{option.replace('_', '-')} belongs to the conv-net demo; "
+                            "--inject-spike runs the spike-control demo")
+    bad = [s for s in args.inject_spike if not PRE_STEPS <= s < args.steps]
+    if bad:
+        raise _CliError(f"--inject-spike steps must be in [{PRE_STEPS}, {args.steps}) (the "
+                        f"{PRE_STEPS} steps before a spike give its pre-spike loss); got {bad[0]}")
+
+    def progress(method: str, step: int, steps: int, loss: float) -> None:
+        if step == steps - 1:  # one line per method
+            print(f"{method}: {steps} steps done, last loss {loss:.4f}", file=sys.stderr,
+                  flush=True)
+
+    try:
+        result = run_spike_demo(args.out, args.inject_spike, steps=args.steps, seed=args.seed,
+                                progress=None if args.no_progress else progress)
+    except (StoreError, ValueError) as err:
+        raise _CliError(str(err)) from err
+    report = write_report(result.run_dir)
+    n = len(result.spikes)
+    print(f"trained a 2-layer transformer LM on a generated grammar for {result.steps} steps, "
+          f"4 ways, in {result.seconds:.1f} s")
+    print("injected spikes (gradient x1000): " + ", ".join(
+        f"step {s} in {result.spike_layers[s]}" for s in result.spikes))
+    print()
+    rows = [[m, f"{result.final_loss[m]:.3f}", f"{result.peak_loss[m]:.3f}",
+             f"{len(result.survived[m])}/{n}"] for m in result.losses]
+    header = ["method", "final loss (last 20 steps)", "peak loss from first spike",
+              "spikes survived"]
+    print("\n".join(format_table(header, rows, align="lrrr")))
+    print(f"survived: every loss from the spike on is finite and one within {RECOVERY_STEPS} "
+          f"steps after it is within {RECOVERY_TOL:.0%} of the mean of the {PRE_STEPS} steps "
+          "before it")
+    print(f"gt.zclip() clipped at {len(result.clipped_steps)} step(s)")
+    for s in result.spikes:
+        print(f"first layer to spike at step {s} (z-score > 2.5, backward order): "
+              f"{result.first_layer[s] or 'none crossed'}")
+    print()
+    print(f"run store: {result.run_dir / 'run.db'} (the gt.zclip() run)")
     print(f"report:    {report}")
     return 0
 
@@ -428,6 +489,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
     return value
+
+
+def _step_list(text: str) -> list[int]:
+    try:
+        steps = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected steps separated by commas, e.g. 100,130,160; got {text!r}") from err
+    if not steps:
+        raise argparse.ArgumentTypeError(f"expected at least one step; got {text!r}")
+    return steps
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
