@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtap import examples
+from gradtap.demo_spike import TinyLM
 
 __all__ = ["mlp", "resnet18_like", "small_cnn", "transformer_lm"]
 
@@ -39,26 +40,6 @@ def resnet18_like(batch: int = 16, width: int = 64, seed: int = 0) -> tuple[nn.M
     return (examples.resnet18_like(width=width), *_data((batch, 3, 32, 32), seed))
 
 
-class TransformerLM(nn.Module):
-    """Token embedding + learned positions, causal pre-norm ``TransformerEncoder`` (no dropout),
-    LM head: ``tokens [N, T] -> logits [N, T, vocab]``."""
-
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, tokens: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(tokens, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
-                                           norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(tokens),
-                             persistent=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        h = self.emb(tokens) + self.pos[: tokens.shape[1]]
-        h = self.blocks(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
-        return self.head(self.norm(h))
 
 
 def transformer_lm(batch: int = 16, tokens: int = 64, dim: int = 128, layers: int = 2,
@@ -68,7 +49,8 @@ def transformer_lm(batch: int = 16, tokens: int = 64, dim: int = 128, layers: in
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, vocab, (batch, tokens + 1), generator=g)
-    return TransformerLM(vocab, dim, 4, layers, tokens), seq[:, :-1], seq[:, 1:]
+    # the spike demo's causal pre-norm LM, at the benchmark's sizes
+    return TinyLM(vocab, dim, 4, layers, tokens), seq[:, :-1], seq[:, 1:]
 
 
 def bare_stat_kernels(model: nn.Module) -> object:
