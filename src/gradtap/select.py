@@ -209,16 +209,16 @@ def _no_match_message(glob: str, names: Iterable[str], what: str) -> str:
 
 def _no_match_either(glob: str, modules: list[str], params: list[str]) -> str:
     """The message for a glob that matches neither a module nor a parameter, naming the
-    closest parameter names and, when some are close, module names."""
-    close = {}
-    for what, names in (("parameter", params), ("module", modules)):
-        close[what] = difflib.get_close_matches(glob, [n for n in names if n], n=5, cutoff=0.5)
-    hints = [f"closest {what} names: {', '.join(c)}" for what, c in close.items() if c]
-    if not hints:
-        return (f"select={glob!r} matches no module or parameter: it matches no parameter "
-                f"name and no module name (parameter names: {_preview(params)})")
-    what = "module or parameter" if close["module"] else "parameter"
-    return f"select={glob!r} matches no {what}; {'; '.join(hints)}"
+    closest parameter names, or the closest names of either kind when a module is close."""
+    close_params = difflib.get_close_matches(glob, [n for n in params if n], n=5, cutoff=0.5)
+    close_modules = difflib.get_close_matches(glob, [n for n in modules if n], n=5, cutoff=0.5)
+    if close_params and not close_modules:
+        return (f"select={glob!r} matches no parameter; closest parameter names: "
+                f"{', '.join(close_params)}")
+    if close_modules:
+        return _no_match_message(glob, [*modules, *params], "module or parameter")
+    return (f"select={glob!r} matches no module or parameter: it matches no parameter name and "
+            f"no module name (parameter names: {_preview(params)})")
 
 
 def _preview(names: list[str], limit: int = 8) -> str:
