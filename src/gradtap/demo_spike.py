@@ -3,7 +3,7 @@
 :func:`run_spike_demo` trains :class:`TinyLM` (a causal pre-norm ``nn.TransformerEncoder``,
 built in code, nothing downloaded) on sentences of a small grammar generated in code
 (:func:`grammar_tokens`), with SGD + momentum. At each step in ``spikes`` the gradient of one
-layer (cycling through :data:`SPIKE_LAYERS`) is multiplied by ``factor`` inside backward, as a
+layer (cycling through :data:`SPIKE_LAYERS`) is multiplied by ``factor`` after backward, as a
 layer whose gradient suddenly blows up. The same seed, data and spikes run four ways: no
 clipping, ``torch.nn.utils.clip_grad_norm_(1.0)``, ``gt.zclip()`` and ``gt.adagc(warmup=25)``
 (both ``when="step"``, on every parameter). It returns data; printing is the command line's job
@@ -261,9 +261,6 @@ def _train(method: str, run_dir: Path, layers: dict[int, str], steps: int, seed:
     model = TinyLM(tokens=tokens)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     params = dict(model.named_parameters())
-    armed: list[str | None] = [None]
-    removers = [params[name].register_hook(
-        lambda g, name=name: g * factor if armed[0] == name else g) for name in set(layers.values())]
     rule = {"gt.zclip()": zclip, "gt.adagc(warmup=25)": lambda: adagc(warmup=25)}.get(method)
     handle = None if rule is None else transform(model, {"*": rule()}, when="step", optimizer=opt)
     mon = None
@@ -278,9 +275,13 @@ def _train(method: str, run_dir: Path, layers: dict[int, str], steps: int, seed:
         for step in range(steps):
             starts = torch.randint(0, len(data) - tokens - 1, (batch_size,), generator=batches)
             window = torch.stack([data[i:i + tokens + 1] for i in starts.tolist()])
-            armed[0] = layers.get(step)
             loss = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
             loss.backward()
+            spiked = layers.get(step)
+            if spiked is not None:  # the injected spike: one layer's gradient, times factor
+                grad = params[spiked].grad
+                assert grad is not None
+                grad.mul_(factor)
             if mon is not None:
                 # The gradients backward produced, spike included. The rules run later, in
                 # opt.step(), so the clip_factor this stores is the previous step's.
@@ -301,6 +302,4 @@ def _train(method: str, run_dir: Path, layers: dict[int, str], steps: int, seed:
             mon.close(status)
         if handle is not None:
             handle.remove()
-        for r in removers:
-            r.remove()
     return losses, clipped
