@@ -57,6 +57,7 @@ from _harness import (  # noqa: E402
     markdown_table,
     peak_memory_mib,
 )
+from _models import Encoder  # noqa: E402
 from gradtap import examples  # noqa: E402
 
 MODELS = ("mlp", "cnn", "resnet18_gn", "transformer")
@@ -85,20 +86,6 @@ def _resnet(width: int) -> nn.Module:
         if isinstance(module, nn.ReLU):
             module.inplace = False
     return model
-
-
-class Encoder(nn.Module):
-    """Token embedding, pre-norm-free TransformerEncoder (no dropout), mean-pooled classifier."""
-
-    def __init__(self, vocab: int, dim: int, heads: int, ff: int, layers: int, classes: int = 10):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.head(self.encoder(self.emb(tokens)).mean(1))
 
 
 def workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, str]:

@@ -24,7 +24,8 @@ sys.path.insert(0, str(HERE))
 from _harness import machine  # noqa: E402
 
 ORDER = ["tap_overhead", "monitor_overhead", "compile_overhead", "distributed",
-         "transform_overhead", "detect_overhead", "per_sample", "conv_double_backward"]
+         "transform_overhead", "detect_overhead", "session_overhead", "per_sample",
+         "conv_double_backward"]
 
 
 class _Tee(io.TextIOBase):
