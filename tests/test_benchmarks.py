@@ -140,3 +140,21 @@ def test_session_by_hand_does_what_gradtap_does(global_clip):
         got = host[1 + j * k:1 + (j + 1) * k]
         assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), stat
 
+
+def test_per_sample_goal_rows_quick(capsys):
+    """The per-sample goal rows: own_grad against vmap on the encoder and norms only on the CNN,
+    each beside the plain step timed twice (the floor), in both settings or in one."""
+    import torch
+
+    bench = importlib.import_module("per_sample")
+    before = torch.get_default_dtype(), torch.get_num_threads()
+    text = bench.main(["--quick", "--goals"])
+    assert (torch.get_default_dtype(), torch.get_num_threads()) == before  # both restored
+    assert "Goal rows, float64, 1 thread," in text and "Goal rows, float32, 2 threads," in text
+    for method, rows in (("plain step again", 4), ("gradtap grads, own_grad", 2),
+                         ("torch.func vmap", 2), ("gradtap norms only", 2)):
+        assert text.count(f"| {method} |") == rows, method  # per workload and setting
+    vmap_rows = [r for r in text.splitlines() if "| torch.func vmap |" in r]
+    assert all("| 1.000 [1.000, 1.000] |" in r for r in vmap_rows)  # its ratio to itself
+    one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
+    assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
