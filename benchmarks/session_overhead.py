@@ -106,7 +106,8 @@ def by_hand(params: Sequence[nn.Parameter], global_clip: bool = False) -> Callab
         finite = finite & torch.isfinite(loss)
         sums = torch.stack([g.sum() for g in grads])
         minmax = [torch.aminmax(g) for g in grads]
-        absmax = torch.stack([torch.maximum(m.max.abs(), m.min.abs()) for m in minmax])
+        absmax = torch.maximum(torch.stack([m.max for m in minmax]).abs(),
+                               torch.stack([m.min for m in minmax]).abs())
         mean = sums / numels
         std = (norms.square() / numels - mean.square()).clamp_(min=0).sqrt()
         nonfinite = (~torch.isfinite(norms)).float()
