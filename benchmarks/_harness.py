@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["NO_TRIM_ENV", "Timing", "allocator", "child_json", "interleaved", "machine",
-           "markdown_table", "paired", "peak_memory_mib", "rss_bytes", "steps_for"]
+           "markdown_table", "paired", "paired_quartiles", "peak_memory_mib", "rss_bytes",
+           "steps_for"]
 
 Step = Callable[[], object]
 
@@ -68,6 +69,16 @@ def paired(a: Timing, b: Timing) -> float:
     return statistics.median(x / y for x, y in zip(a.per_round, b.per_round, strict=True))
 
 
+def paired_quartiles(a: Timing, b: Timing) -> tuple[float, float]:
+    """The first and third quartiles over rounds of ``a``'s time over ``b``'s in the same round:
+    the run-to-run spread of :func:`paired` (both ends equal with a single round)."""
+    ratios = [x / y for x, y in zip(a.per_round, b.per_round, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -82,6 +93,7 @@ def interleaved(
     fresh: bool = False,
     faults: bool = False,
     sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Timing | str]:
     """Time every variant in interleaved rounds; return a :class:`Timing` per variant.
 
@@ -98,6 +110,9 @@ def interleaved(
         base: the variant every ratio is taken against, or ``None`` for no ratios.
         faults: also count minor page faults per step.
         sync: called before and after each timed block (e.g. ``torch.cuda.synchronize``).
+        clock: the clock of the timed blocks: wall time (the default) or, on a machine other
+            processes load, ``time.process_time`` (this process's CPU time, all its threads:
+            what the work cost, without the time it waited for a core; CPU only).
     """
     names = list(variants)
     if base is not None and base not in variants:
@@ -136,12 +151,12 @@ def interleaved(
             if sync is not None:
                 sync()
             before = _minor_faults()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps):
                 step()
             if sync is not None:
                 sync()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             counts[name].append((_minor_faults() - before) / steps)
             times[name].append(elapsed / steps)
             done(step)

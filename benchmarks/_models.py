@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from gradtap import examples
 from gradtap.demo_spike import TinyLM
 
-__all__ = ["mlp", "resnet18_like", "small_cnn", "transformer_lm"]
+__all__ = ["Encoder", "mlp", "resnet18_like", "small_cnn", "transformer", "transformer_lm"]
 
 
 def _data(shape: tuple[int, ...], seed: int) -> tuple[Tensor, Tensor]:
@@ -51,6 +51,31 @@ def transformer_lm(batch: int = 16, tokens: int = 64, dim: int = 128, layers: in
     seq = torch.randint(0, vocab, (batch, tokens + 1), generator=g)
     # the spike demo's causal pre-norm LM, at the benchmark's sizes
     return TinyLM(vocab, dim, 4, layers, tokens), seq[:, :-1], seq[:, 1:]
+
+
+class Encoder(nn.Module):
+    """Token embedding, TransformerEncoder (post-norm, no dropout), mean-pooled classifier."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, ff: int, layers: int, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.emb(tokens)).mean(1))
+
+
+def transformer(batch: int = 32, tokens: int = 64, dim: int = 128, layers: int = 2,
+                seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """:class:`Encoder` (vocabulary 1000, 4 heads, feed-forward ``2 * dim``) on random token ids
+    [batch, tokens] (the per-sample benchmark's transformer)."""
+    torch.manual_seed(seed)
+    model = Encoder(1000, dim, 4, 2 * dim, layers)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 1000, (batch, tokens), generator=g)
+    return model, x, torch.randint(0, 10, (batch,), generator=g)
 
 
 def bare_stat_kernels(model: nn.Module) -> object:

@@ -1,6 +1,7 @@
 """Per-sample gradients and norms: gradtap vs BackPACK, Opacus and torch.func, side by side.
 
-Run: .venv/bin/python benchmarks/per_sample.py [--quick] [--methods] [--models mlp,cnn,...]
+Run: .venv/bin/python benchmarks/per_sample.py [--quick] [--methods] [--goals] [--models mlp,cnn,...]
+         [--dtype float32|float64] [--threads N] [--clock wall|cpu]
 
 Per model, one table: a plain forward+backward step; ``gt.per_sample`` asking for gradients,
 for norms only and for the variance only; BackPACK's ``BatchGrad``, ``BatchL2Grad`` and
@@ -25,6 +26,22 @@ touch of those pages), and, time only, in a child process under glibc malloc wit
 (``_harness.NO_TRIM_ENV``: freed memory stays in the process, as with jemalloc or tcmalloc). The ResNet's blocks run out of place (``out = out +
 identity``, ``ReLU(inplace=False)``): both anchors raise on in-place ops after hooked modules.
 
+``--dtype`` and ``--threads`` set the default dtype (models and inputs) and torch's intra-op
+threads of the tables (default float32 and torch's choice).
+
+Goal rows (after the tables, or alone with ``--goals``), one table per setting: float64 at one
+thread and float32 at two threads (``--goals --dtype D --threads N``: that setting only). On
+the Transformer encoder at batch 16 (``_models.transformer(batch=16)``: 2 layers, d=128,
+64 tokens), a plain step, ``gt.per_sample(own_grad=True)`` asking for gradients and
+``torch.func.vmap``; on the CNN above, a plain step and norms only (with and without
+``own_grad``); each beside ``plain step again``, the plain step timed a second time, whose
+ratio to the plain step is the floor: what noise alone makes of two identical variants. 21
+interleaved rounds; each ratio is the median over rounds of the method's time over the other's
+in the same round, with the first and third quartiles of those per-round ratios (the
+run-to-run spread) in brackets. Goals: own_grad no slower than vmap in both settings; norms
+only at most 2x the plain step. ``--clock cpu`` times by this process's CPU time
+(``time.process_time``) in place of the wall clock, for a machine other processes load.
+
 ``--methods`` prints, instead, the measurements behind the convolution rule's choice between
 its ``unfold`` and ``conv`` formulations.
 """
@@ -37,6 +54,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -50,13 +68,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gradtap as gt  # noqa: E402
 from _harness import (  # noqa: E402
     NO_TRIM_ENV,
+    Timing,
     allocator,
     child_json,
     interleaved,
     machine,
     markdown_table,
+    paired,
+    paired_quartiles,
     peak_memory_mib,
+    steps_for,
 )
+from _models import Encoder, transformer  # noqa: E402
 from gradtap import examples  # noqa: E402
 
 MODELS = ("mlp", "cnn", "resnet18_gn", "transformer")
@@ -87,22 +110,8 @@ def _resnet(width: int) -> nn.Module:
     return model
 
 
-class Encoder(nn.Module):
-    """Token embedding, pre-norm-free TransformerEncoder (no dropout), mean-pooled classifier."""
-
-    def __init__(self, vocab: int, dim: int, heads: int, ff: int, layers: int, classes: int = 10):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.head(self.encoder(self.emb(tokens)).mean(1))
-
-
 def workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, str]:
-    """``(model, x, y, description)`` with a fixed seed."""
+    """``(model, x, y, description)`` with a fixed seed, in the default dtype."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
@@ -285,8 +294,9 @@ def measured_build(method: str, model_name: str, quick: bool) -> tuple[Step | No
 
 
 def peak_memory_subprocess(method: str, model_name: str) -> float | None:
-    """``measured_build``'s peak memory, measured in a fresh process."""
-    doc = child_json(__file__, "--_memory", model_name, method)
+    """``measured_build``'s peak memory, measured in a fresh process (same default dtype)."""
+    dtype = str(torch.get_default_dtype()).removeprefix("torch.")
+    doc = child_json(__file__, "--_memory", model_name, method, "--dtype", dtype)
     return None if doc is None else doc["peak_mib"]  # type: ignore[index]
 
 
@@ -367,6 +377,74 @@ def conv_methods(quick: bool) -> str:
     return markdown_table(header, rows)
 
 
+# --------------------------------------------------------------------------------------------
+# goal rows: own_grad against torch.func.vmap, norms only against the plain step
+# --------------------------------------------------------------------------------------------
+
+#: The goal rows' settings: (default dtype, intra-op threads).
+GOAL_SETTINGS = (("float64", 1), ("float32", 2))
+#: Goal workload -> the methods timed on it (``plain step again``: the floor).
+GOAL_METHODS = {
+    "encoder": ("plain step", "plain step again", "gradtap grads, own_grad", "torch.func vmap"),
+    "cnn": ("plain step", "plain step again", "gradtap norms only",
+            "gradtap norms only, own_grad"),
+}
+
+
+def goal_workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, str]:
+    """The goal rows' workloads, in the default dtype: the encoder at batch 16, the CNN."""
+    if name == "cnn":
+        return workload("cnn", quick)
+    batch, tokens, dim = (2, 8, 16) if quick else (16, 64, 128)
+    model, x, y = transformer(batch=batch, tokens=tokens, dim=dim)
+    params = sum(p.numel() for p in model.parameters())
+    return model, x, y, (f"Transformer encoder, 2 layers, d={dim}, 4 heads, {tokens} tokens, "
+                         f"batch {batch}, {params / 1e6:.2f}M parameters")
+
+
+def _spread(a: Timing, b: Timing) -> str:
+    lo, hi = paired_quartiles(a, b)
+    return f"{paired(a, b):.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def goal_table(dtype: str, threads: int, quick: bool, rounds: int,
+               clock: Callable[[], float] = time.perf_counter) -> str:
+    """Time the goal rows in one setting; return its markdown table (with a title line)."""
+    before = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(getattr(torch, dtype))
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for name, methods in GOAL_METHODS.items():
+            steps: dict[str, Step] = {}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.func about ops run as loops
+                for method in methods:
+                    model, x, y, desc = goal_workload(name, quick)
+                    make = _plain if method == "plain step again" else METHODS[method]
+                    steps[method] = make(model, x, y)
+                    steps[method]()
+                per_round = 1 if quick else steps_for(steps["plain step"], budget=0.3, cap=10)
+                t = interleaved(steps, steps=per_round, rounds=rounds, warmup=0 if quick else 1,
+                                base="plain step", clock=clock)
+            timing: dict[str, Timing] = {k: v for k, v in t.items() if not isinstance(v, str)}
+            vmap = timing.get("torch.func vmap")
+            for method in methods:
+                rows.append([desc if method == methods[0] else "", method,
+                             _fmt(timing[method].seconds * 1e3, 2),
+                             _spread(timing[method], timing["plain step"]),
+                             "-" if vmap is None else _spread(timing[method], vmap)])
+    finally:
+        torch.set_default_dtype(before[0])
+        torch.set_num_threads(before[1])
+    header = ["workload", "method", "ms / step", "x plain [q1, q3]", "x vmap [q1, q3]"]
+    title = (f"Goal rows, {dtype}, {threads} thread{'s' if threads > 1 else ''}, "
+             f"{'CPU' if clock is time.process_time else 'wall'} time: median of {rounds} "
+             "interleaved rounds; ratios: median over rounds of the per-round ratio, [first, "
+             "third quartile]; 'plain step again' / plain step is the floor")
+    return title + "\n\n" + markdown_table(header, rows)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
@@ -377,9 +455,54 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--allocator", choices=("default", "no-trim", "both"), default="both",
                         help="time under the default allocator, glibc without trimming (time "
                         "only), or both (default)")
+    parser.add_argument("--goals", action="store_true",
+                        help="only the goal rows (own_grad vs vmap on the encoder, norms only on "
+                        "the CNN)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                        help="default dtype of models and inputs (tables: float32; goal rows: "
+                        "both settings unless given with --threads)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (tables: torch's choice; goal rows: both "
+                        "settings unless given with --dtype)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time by the wall clock (default) or this process's CPU time "
+                        "(goal rows)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the goal rows (default 21)")
     parser.add_argument("--_memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--_time-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    before = torch.get_default_dtype(), torch.get_num_threads()
+    try:
+        return _main(args)
+    finally:  # run_all runs the next benchmark in this process
+        torch.set_default_dtype(before[0])
+        torch.set_num_threads(before[1])
+
+
+def _goals(args: argparse.Namespace) -> str:
+    settings: tuple[tuple[str, int], ...] = GOAL_SETTINGS
+    if args.dtype and args.threads:
+        settings = ((args.dtype, args.threads),)
+    elif args.dtype or args.threads:  # the settings with that dtype or that many threads
+        settings = tuple(s for s in GOAL_SETTINGS if args.dtype == s[0] or args.threads == s[1])
+        settings = settings or ((args.dtype or "float32", args.threads or 1),)
+    rounds = args.rounds or (1 if args.quick else 21)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    tables = []
+    for dtype, threads in settings:
+        tables.append(goal_table(dtype, threads, args.quick, rounds, clock))
+        print(tables[-1] + "\n", flush=True)
+    return "\n\n".join(tables)
+
+
+def _main(args: argparse.Namespace) -> str:
+    if args.goals:
+        print(machine(threads=False), flush=True)
+        return machine(threads=False) + "\n\n" + _goals(args)
+    torch.set_default_dtype(getattr(torch, args.dtype or "float32"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args._memory:
         _, _, peak = measured_build(args._memory[1], args._memory[0], False)
         print(json.dumps({"peak_mib": peak}))
@@ -403,11 +526,15 @@ def main(argv: list[str] | None = None) -> str:
     if args.allocator in ("no-trim", "both"):
         # The tunables are read when a process starts: the timings run in a child process.
         cmd = [sys.executable, __file__, "--allocator", "default", "--_time-only",
-               "--models", args.models] + (["--quick"] if args.quick else [])
+               "--models", args.models, "--dtype", args.dtype or "float32"]
+        cmd += (["--threads", str(args.threads)] if args.threads else []) + (
+            ["--quick"] if args.quick else [])
         child = subprocess.run(cmd, env={**os.environ, **NO_TRIM_ENV}, check=True,
                                capture_output=True, text=True)
         print(child.stdout, end="", flush=True)
         tables.append(child.stdout.strip())
+    if not args._time_only:
+        tables.append(_goals(args))
     return "\n\n".join(tables)
 
 

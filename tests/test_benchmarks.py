@@ -113,3 +113,74 @@ def test_spike_control_quick(capsys):
     for row in ("gt.zclip(), when='step'", "gt.adagc()", "gt.agc()", "gt.adagn()",
                 "gt.spam_clip()", "| zclip package: ZClip.step(model) |"):
         assert out.count(row) == 2, row
+
+
+def test_session_overhead_quick(capsys):
+    table = importlib.import_module("session_overhead").main(["--quick"])
+    assert table in capsys.readouterr().out
+    assert table.count("\n") == 3  # header, rule, two models
+    assert "| small CNN" in table and "| Transformer encoder" in table
+    assert "gradtap / by hand" in table and "plain again (floor)" in table
+
+
+@pytest.mark.parametrize("global_clip", [False, True])
+def test_session_by_hand_does_what_gradtap_does(global_clip):
+    """The benchmark's hand-written side clips like gt.clip_norm (per tensor) or
+    gt.clip_global_norm and computes the Monitor's default statistics of the clipped gradients."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import gradtap as gt
+
+    session = importlib.import_module("session_overhead")
+    models = importlib.import_module("_models")
+    model, x, y = models.small_cnn(batch=4)
+    for p in model.parameters():  # norms both above and below the clipping bound of 1
+        p.data.mul_(3.0 if p.dim() > 1 else 0.1)
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    loss = F.cross_entropy(ours(x), y)
+    loss.backward()
+    host = session.by_hand(list(ours.parameters()), global_clip)(loss)
+    mon = gt.Monitor(theirs)
+    handle = gt.transform(theirs, {"*": gt.clip_global_norm(1.0) if global_clip
+                                   else gt.clip_norm(1.0)})
+    F.cross_entropy(theirs(x), y).backward()
+    mon.step()
+    handle.remove()
+    frame = mon.frame()
+    mon.close()
+    names = [n for n, _ in ours.named_parameters()]
+    k = len(names)
+    norms = host[1:k + 1]
+    assert host[0] == 1.0
+    if global_clip:
+        assert abs(float((norms**2).sum()) ** 0.5 - 1.0) < 1e-4  # the joint norm was clipped
+    else:  # some tensors were clipped to norm 1, some left alone
+        assert (abs(norms - 1.0) < 1e-4).any() and (norms < 0.9).any()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    for j, stat in enumerate(("norm", "mean", "std", "absmax", "nonfinite")):
+        want = frame[frame.stat == stat].set_index("name").loc[names, "value"].to_numpy()
+        got = host[1 + j * k:1 + (j + 1) * k]
+        assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), stat
+
+
+def test_per_sample_goal_rows_quick(capsys):
+    """The per-sample goal rows: own_grad against vmap on the encoder and norms only on the CNN,
+    each beside the plain step timed twice (the floor), in both settings or in one."""
+    import torch
+
+    bench = importlib.import_module("per_sample")
+    before = torch.get_default_dtype(), torch.get_num_threads()
+    text = bench.main(["--quick", "--goals"])
+    assert (torch.get_default_dtype(), torch.get_num_threads()) == before  # both restored
+    assert "Goal rows, float64, 1 thread," in text and "Goal rows, float32, 2 threads," in text
+    for method, rows in (("plain step again", 4), ("gradtap grads, own_grad", 2),
+                         ("torch.func vmap", 2), ("gradtap norms only", 2)):
+        assert text.count(f"| {method} |") == rows, method  # per workload and setting
+    vmap_rows = [r for r in text.splitlines() if "| torch.func vmap |" in r]
+    assert all("| 1.000 [1.000, 1.000] |" in r for r in vmap_rows)  # its ratio to itself
+    one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
+    assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
