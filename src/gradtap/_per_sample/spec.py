@@ -1,9 +1,10 @@
 """What one ``gt.per_sample`` resolves when it starts, and reads unchanged until it is removed.
 
 :class:`Spec` checks the arguments, selects the parameters, resolves the module that owns each
-(``owners``) and which checks are sketched (``sketch``), and gives the factors and choices
-that depend only on them: the loss reduction's scale, whether a call's per-sample gradients
-must be built. The collaborators of :class:`~gradtap._per_sample.api.PerSample` share it.
+(``owners``) and which checks are sketched (``sketch``), through ``resolved`` (which reuses
+the last resolution of an unchanged model), and gives the factors and choices that depend
+only on them: the loss reduction's scale, whether a call's per-sample gradients must be built.
+The collaborators of :class:`~gradtap._per_sample.api.PerSample` share it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from typing import Literal, cast, get_args
 
 from torch import nn
 
-from gradtap._per_sample.owners import Owner, resolve_owners
+from gradtap._per_sample.owners import Owner
+from gradtap._per_sample.resolved import resolved_for
 from gradtap._per_sample.results import STATS
 from gradtap._per_sample.sketch import Sketches
 from gradtap._types import Selector
 from gradtap.capture import session
-from gradtap.errors import SelectionError
-from gradtap.select import select_parameters
 
 __all__ = ["QUANTITIES", "LossReduction", "Quantity", "Spec"]
 
@@ -55,22 +55,14 @@ class Spec:
         # Named as the user's model (no DDP or compile prefixes).
         self.session = session(model, "per_sample()")
         self.model = self.session.root
-        params = select_parameters(self.model, select)
-        self.params = {n: p for n, p in params if p.requires_grad}
-        if not self.params:
-            raise SelectionError(
-                f"select={select!r} matches only parameters that do not require grad: "
-                f"{', '.join(n for n, _ in params)}"
-            )
         self.fallback = fallback
-        self.owners = resolve_owners(self.model, self.params, batch_dim, fallback)
-        self.sketches = Sketches(self.params, self.owners)
-        self.use_count = {q: sum(q in o.direct.values() for o in self.owners.values())
-                          for q in self.params}
-        self.owners_of: dict[str, list[str]] = {}  # qualified name -> names of its owners
-        for owner in self.owners.values():
-            for qual in owner.direct.values():
-                self.owners_of.setdefault(qual, []).append(owner.name)
+        resolved = resolved_for(self.model, select, batch_dim, fallback)
+        self.params: dict[str, nn.Parameter] = resolved.params
+        self.owners: dict[str, Owner] = resolved.owners
+        self.sketches: Sketches = resolved.sketches
+        self.use_count: dict[str, int] = resolved.use_count
+        # qualified name -> names of its owners
+        self.owners_of: dict[str, list[str]] = resolved.owners_of
 
     def scale(self, n: int) -> float:
         """The factor from a record's gradients (of the loss) to those of each sample's term."""
