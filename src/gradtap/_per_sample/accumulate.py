@@ -88,10 +88,14 @@ class Step:
     def add_grads(self, names: dict[str, str], grads: dict[str, Tensor],
                   sums: dict[str, Tensor]) -> None:
         """Add one call's per-sample gradients, and their sums over the samples (for the
-        check at the end of backward; projected where it is sketched)."""
+        check at the end of backward; projected where it is sketched, or left for the check
+        to project)."""
         for rel, t in sums.items():
             qual = names[rel]
-            self.sums[qual] = t if qual not in self.sums else self.sums[qual] + t
+            if qual in self.sums:
+                kept, t = pair(self._spec.sketches, qual, self.sums[qual], t)
+                t = kept + t
+            self.sums[qual] = t
         for rel, g in grads.items():
             qual = names[rel]
             self.grad[qual] = g if qual not in self.grad else self.grad[qual] + g

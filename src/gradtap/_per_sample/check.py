@@ -65,8 +65,8 @@ def check_sums(spec: Spec, step: Step, n: int, owned: set[str],
     with torch.no_grad():
         grads = [q for q in touched if q in step.grad and q not in skip]
         if grads:
-            totals = [step.sums[q] if q in step.sums
-                      else sketches.project(q, step.grad[q].sum(0)) for q in grads]
+            totals = [sketches.project(q, step.sums[q] if q in step.sums else step.grad[q].sum(0))
+                      for q in grads]
             totals = list(torch._foreach_mul(totals, c))
             for q, a in zip(grads, totals, strict=True):
                 inc = step.increments.get(q)

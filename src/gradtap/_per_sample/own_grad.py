@@ -250,8 +250,9 @@ class OwnGrad:
                 if materialize:
                     grads = compute.grads()
                     totals = sums(compute, grads)
-                    step.add_grads(names, grads, {
-                        rel: spec.sketches.project(names[rel], t) for rel, t in totals.items()})
+                    # Not projected for the sum check (``sketch``): a parameter whose every
+                    # use is owned skips the check, and the others are projected there.
+                    step.add_grads(names, grads, totals)
                 else:
                     totals = compute.total()
                 shares = {}
