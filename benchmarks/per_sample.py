@@ -29,18 +29,23 @@ identity``, ``ReLU(inplace=False)``): both anchors raise on in-place ops after h
 ``--dtype`` and ``--threads`` set the default dtype (models and inputs) and torch's intra-op
 threads of the tables (default float32 and torch's choice).
 
-Goal rows (after the tables, or alone with ``--goals``), one table per setting: float64 at one
-thread and float32 at two threads (``--goals --dtype D --threads N``: that setting only). On
-the Transformer encoder at batch 16 (``_models.transformer(batch=16)``: 2 layers, d=128,
-64 tokens), a plain step, ``gt.per_sample(own_grad=True)`` asking for gradients and
-``torch.func.vmap``; on the CNN above, a plain step and norms only (with and without
-``own_grad``); each beside ``plain step again``, the plain step timed a second time, whose
-ratio to the plain step is the floor: what noise alone makes of two identical variants. 21
-interleaved rounds; each ratio is the median over rounds of the method's time over the other's
-in the same round, with the first and third quartiles of those per-round ratios (the
-run-to-run spread) in brackets. Goals: own_grad no slower than vmap in both settings; norms
-only at most 2x the plain step. ``--clock cpu`` times by this process's CPU time
-(``time.process_time``) in place of the wall clock, for a machine other processes load.
+Goal rows (after the tables, or alone with ``--goals``), one table per setting: float64 and
+float32 at one thread, and float32 at two threads (``--goals --dtype D --threads N``: that
+setting only). On the Transformer encoder at batch 16 (``_models.transformer(batch=16)``: 2
+layers, d=128, 64 tokens), a plain step, ``gt.per_sample(own_grad=True)`` asking for
+gradients (made once and cleared each step, and made each step in a ``with`` block as the
+README does) and ``torch.func.vmap``; on the CNN above, a plain step, norms only (with and
+without ``own_grad``), gradients with the handle made each step (with and without
+``own_grad``), BackPACK's ``BatchGrad`` and Opacus' ``GradSampleModule``; each beside
+``plain step again``, the plain step timed a second time, whose ratio to the plain step is the
+floor: what noise alone makes of two identical variants. 21 interleaved rounds; each ratio is
+the median over rounds of the method's time over the other's in the same round, with the
+first and third quartiles of those per-round ratios (the run-to-run spread) in brackets;
+"x fastest anchor" takes, in each round, the fastest of the workload's anchors (vmap;
+BackPACK and Opacus, those installed). Goals: own_grad no slower than vmap, and gradients
+faster than the fastest anchor on the CNN; norms only at most 2x the plain step. ``--clock
+cpu`` times by this process's CPU time (``time.process_time``) in place of the wall clock, for
+a machine other processes load.
 
 ``--methods`` prints, instead, the measurements behind the convolution rule's choice between
 its ``unfold`` and ``conv`` formulations.
@@ -52,6 +57,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -151,8 +157,18 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
     return step
 
 
-def _gradtap(quantity: str, own_grad: bool = False) -> Callable[[nn.Module, Tensor, Tensor], Step]:
+def _gradtap(quantity: str, own_grad: bool = False,
+             per_step: bool = False) -> Callable[[nn.Module, Tensor, Tensor], Step]:
     def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+        if per_step:  # a fresh handle each step, as the README's `with` snippet
+            def fresh() -> object:
+                with gt.per_sample(model, quantities=(quantity,), own_grad=own_grad) as ps:
+                    F.cross_entropy(model(x), y).backward()
+                    out = getattr(ps, quantity)
+                model.zero_grad(set_to_none=True)
+                return out
+
+            return fresh
         # Made once and cleared before each batch, as in a training loop (the anchors, too,
         # wrap or extend the model once).
         ps = gt.per_sample(model, quantities=(quantity,), own_grad=own_grad)
@@ -242,6 +258,8 @@ METHODS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
     "gradtap grads, own_grad": _gradtap("grad", own_grad=True),
     "gradtap norms only, own_grad": _gradtap("norm", own_grad=True),
     "gradtap variance only, own_grad": _gradtap("variance", own_grad=True),
+    "gradtap grads, made each step": _gradtap("grad", per_step=True),
+    "gradtap grads, own_grad, made each step": _gradtap("grad", own_grad=True, per_step=True),
     "BackPACK BatchGrad": _backpack("BatchGrad"),
     "BackPACK BatchL2Grad": _backpack("BatchL2Grad"),
     "BackPACK Variance": _backpack("Variance"),
@@ -382,13 +400,18 @@ def conv_methods(quick: bool) -> str:
 # --------------------------------------------------------------------------------------------
 
 #: The goal rows' settings: (default dtype, intra-op threads).
-GOAL_SETTINGS = (("float64", 1), ("float32", 2))
+GOAL_SETTINGS = (("float64", 1), ("float32", 1), ("float32", 2))
 #: Goal workload -> the methods timed on it (``plain step again``: the floor).
 GOAL_METHODS = {
-    "encoder": ("plain step", "plain step again", "gradtap grads, own_grad", "torch.func vmap"),
+    "encoder": ("plain step", "plain step again", "gradtap grads, own_grad",
+                "gradtap grads, own_grad, made each step", "torch.func vmap"),
     "cnn": ("plain step", "plain step again", "gradtap norms only",
-            "gradtap norms only, own_grad"),
+            "gradtap norms only, own_grad", "gradtap grads, made each step",
+            "gradtap grads, own_grad, made each step", "BackPACK BatchGrad",
+            "Opacus GradSampleModule"),
 }
+#: The anchors a goal row's ``x anchor`` column compares with: the fastest of them per round.
+GOAL_ANCHORS = ("torch.func vmap", "BackPACK BatchGrad", "Opacus GradSampleModule")
 
 
 def goal_workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, str]:
@@ -400,6 +423,15 @@ def goal_workload(name: str, quick: bool) -> tuple[nn.Module, Tensor, Tensor, st
     params = sum(p.numel() for p in model.parameters())
     return model, x, y, (f"Transformer encoder, 2 layers, d={dim}, 4 heads, {tokens} tokens, "
                          f"batch {batch}, {params / 1e6:.2f}M parameters")
+
+
+def _fastest(anchors: list[Timing]) -> Timing | None:
+    """The fastest anchor of each round (its seconds per step), as one :class:`Timing`."""
+    if not anchors:
+        return None
+    per_round = tuple(min(r) for r in zip(*(a.per_round for a in anchors), strict=True))
+    return Timing(seconds=statistics.median(per_round), ratio=math.nan, faults=None,
+                  per_round=per_round)
 
 
 def _spread(a: Timing, b: Timing) -> str:
@@ -422,22 +454,30 @@ def goal_table(dtype: str, threads: int, quick: bool, rounds: int,
                 for method in methods:
                     model, x, y, desc = goal_workload(name, quick)
                     make = _plain if method == "plain step again" else METHODS[method]
-                    steps[method] = make(model, x, y)
+                    try:
+                        steps[method] = make(model, x, y)
+                    except ImportError:  # an anchor that is not installed: left out
+                        continue
                     steps[method]()
                 per_round = 1 if quick else steps_for(steps["plain step"], budget=0.3, cap=10)
                 t = interleaved(steps, steps=per_round, rounds=rounds, warmup=0 if quick else 1,
                                 base="plain step", clock=clock)
             timing: dict[str, Timing] = {k: v for k, v in t.items() if not isinstance(v, str)}
-            vmap = timing.get("torch.func vmap")
+            anchor = _fastest([timing[a] for a in GOAL_ANCHORS if a in timing])
             for method in methods:
+                if method not in timing:
+                    rows.append([desc if method == methods[0] else "", method, "-", "-",
+                                 "not installed"])
+                    continue
                 rows.append([desc if method == methods[0] else "", method,
                              _fmt(timing[method].seconds * 1e3, 2),
                              _spread(timing[method], timing["plain step"]),
-                             "-" if vmap is None else _spread(timing[method], vmap)])
+                             "-" if anchor is None else _spread(timing[method], anchor)])
     finally:
         torch.set_default_dtype(before[0])
         torch.set_num_threads(before[1])
-    header = ["workload", "method", "ms / step", "x plain [q1, q3]", "x vmap [q1, q3]"]
+    header = ["workload", "method", "ms / step", "x plain [q1, q3]",
+              "x fastest anchor [q1, q3]"]
     title = (f"Goal rows, {dtype}, {threads} thread{'s' if threads > 1 else ''}, "
              f"{'CPU' if clock is time.process_time else 'wall'} time: median of {rounds} "
              "interleaved rounds; ratios: median over rounds of the per-round ratio, [first, "

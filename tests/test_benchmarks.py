@@ -168,19 +168,27 @@ def test_session_by_hand_does_what_gradtap_does(global_clip):
 
 
 def test_per_sample_goal_rows_quick(capsys):
-    """The per-sample goal rows: own_grad against vmap on the encoder and norms only on the CNN,
-    each beside the plain step timed twice (the floor), in both settings or in one."""
+    """The per-sample goal rows: own_grad against vmap on the encoder, gradients against
+    BackPACK and Opacus and norms only on the CNN, each beside the plain step timed twice (the
+    floor), in every setting or in one."""
     import torch
 
     bench = importlib.import_module("per_sample")
     before = torch.get_default_dtype(), torch.get_num_threads()
     text = bench.main(["--quick", "--goals"])
     assert (torch.get_default_dtype(), torch.get_num_threads()) == before  # both restored
-    assert "Goal rows, float64, 1 thread," in text and "Goal rows, float32, 2 threads," in text
-    for method, rows in (("plain step again", 4), ("gradtap grads, own_grad", 2),
-                         ("torch.func vmap", 2), ("gradtap norms only", 2)):
+    for setting in ("float64, 1 thread,", "float32, 1 thread,", "float32, 2 threads,"):
+        assert f"Goal rows, {setting}" in text
+    for method, rows in (("plain step again", 6), ("gradtap grads, own_grad", 3),
+                         ("gradtap grads, own_grad, made each step", 6),
+                         ("gradtap grads, made each step", 3), ("torch.func vmap", 3),
+                         ("gradtap norms only", 3), ("BackPACK BatchGrad", 3),
+                         ("Opacus GradSampleModule", 3)):
         assert text.count(f"| {method} |") == rows, method  # per workload and setting
     vmap_rows = [r for r in text.splitlines() if "| torch.func vmap |" in r]
     assert all("| 1.000 [1.000, 1.000] |" in r for r in vmap_rows)  # its ratio to itself
+    for anchor in ("BackPACK BatchGrad", "Opacus GradSampleModule"):
+        rows = [r for r in text.splitlines() if f"| {anchor} |" in r]
+        assert all(r.endswith("| not installed |") or "[" in r.split("|")[-2] for r in rows)
     one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
     assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
