@@ -119,7 +119,10 @@ def _reused(kept: _Kept, model: nn.Module, fingerprint: tuple,
         module = modules.get(name)
         if module is None or _rule_for(module) is not fields["entry"]:
             return None  # a rule registered since for the owner's type
-        owners[name] = Owner(module=module, **{k: fields[k] for k in _STRUCTURE})
+        owners[name] = Owner(module=module, name=name, entry=fields["entry"],
+                             direct=dict(fields["direct"]), nested=dict(fields["nested"]),
+                             parametrized={t: list(rels)
+                                           for t, rels in fields["parametrized"].items()})
     params: dict[str, nn.Parameter] = {}
     for q, ref in kept.params.items():
         p = ref()
