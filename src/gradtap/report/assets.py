@@ -1,8 +1,8 @@
 """The report page's inline assets: its style sheet and a few lines of script.
 
 Both are written into the page itself (no network access, no external assets); the script
-only adds interaction (legend highlighting, showing every row of a long table), and the page
-is complete without it.
+only adds interaction (legend highlighting, showing every row of a long table, filtering
+the layer table by name), and the page is complete without it.
 """
 
 __all__ = ["CSS", "JS"]
@@ -57,6 +57,8 @@ table.data td{font-variant-numeric:tabular-nums}
 table.data thead th{background:var(--bg);font-weight:600}
 table.data tr.bad td{background:#fff0f0}
 #nonfinite-table tr.more{display:none}#nonfinite-table.all tr.more{display:table-row}
+p.search input{font:inherit;padding:3px 8px;border:1px solid var(--line);border-radius:6px;min-width:280px}
+#layer-count{color:var(--muted);font-size:12px}
 button.more-toggle{font:inherit;font-size:12px;padding:2px 10px;border:1px solid var(--line);border-radius:6px;background:#fff;cursor:pointer}
 table.kv th{text-align:left;font-weight:500;color:var(--muted);padding:2px 16px 2px 0;vertical-align:top;white-space:nowrap}
 table.kv td{padding:2px 0;word-break:break-word}
@@ -103,6 +105,21 @@ JS = """
     });
     button.setAttribute("data-label", button.textContent);
   });
+  var search = document.getElementById("layer-search");
+  var layerRows = Array.prototype.slice.call(document.querySelectorAll("#layer-table tbody tr"));
+  if (search) {
+    search.addEventListener("input", function () {
+      var q = search.value.trim().toLowerCase();
+      var shown = 0;
+      layerRows.forEach(function (row) {
+        var hit = !q || row.cells[0].textContent.toLowerCase().indexOf(q) >= 0;
+        row.style.display = hit ? "" : "none";
+        if (hit) { shown += 1; }
+      });
+      document.getElementById("layer-count").textContent =
+          shown + " of " + layerRows.length + " tensors";
+    });
+  }
   document.documentElement.setAttribute("data-gt-ready", "1");
 })();
 """

@@ -20,7 +20,7 @@ import numpy as np
 from gradtap._text import format_number
 from gradtap.report.data import ReportData
 
-__all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview"]
+__all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview", "top_table"]
 
 _MORE = ' class="more"'
 
@@ -130,7 +130,8 @@ def anomalies(data: ReportData) -> str:
 
 
 def layer_table(data: ReportData) -> str:
-    """One row per stored tensor: its norms over the run, NaN/Inf steps, update ratio."""
+    """One row per stored tensor: its norms over the run, NaN/Inf steps, update ratio; a
+    search box above it filters the rows by name (the page's script)."""
     if not data.layers:
         return ""
     rows = []
@@ -141,11 +142,37 @@ def layer_table(data: ReportData) -> str:
             f"<td>{escape(_shape(ly.shape))}</td><td>{ly.steps}</td>"
             f"<td>{_value(ly.first_norm)}</td><td>{_value(ly.last_norm)}</td>"
             f"<td>{_value(ly.median_norm)}</td><td>{_value(ly.max_norm)}</td>"
-            f"<td>{ly.nonfinite_steps}</td><td>{_value(ly.median_ratio)}</td></tr>")
-    return ('<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
+            f"<td>{_value(ly.peak)}</td><td>{ly.nonfinite_steps}</td><td>{ly.clipped_steps}</td>"
+            f"<td>{_value(ly.median_ratio)}</td></tr>")
+    n = len(data.layers)
+    return ('<p class="search"><input type="search" id="layer-search" placeholder="find a '
+            f'layer by name" aria-label="find a layer by name"> <span id="layer-count">{n} of '
+            f"{n} tensors</span></p>"
+            '<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
             "<th>shape</th><th>steps</th><th>first norm</th><th>last norm</th><th>median norm</th>"
-            "<th>max norm</th><th>NaN/Inf steps</th><th>median update ratio</th></tr></thead>"
+            "<th>max norm</th><th>max / median</th><th>NaN/Inf steps</th><th>clipped steps</th>"
+            "<th>median update ratio</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def top_table(data: ReportData) -> str:
+    """The layers the charts show when a kind has more tensors than they draw, and why."""
+    chosen = [ly for ly in data.layers if ly.why]
+    if not chosen:
+        return ""
+    counts = ", ".join(f"{len(data.norms.get(k, {}))} of {n} {k}" for k, n in data.tensors.items())
+    rows = "".join(
+        f"<tr><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
+        f"<td>{escape(', '.join(ly.why))}</td><td>{_value(ly.max_norm)}</td>"
+        f"<td>{_value(ly.peak)}</td><td>{ly.nonfinite_steps}</td><td>{ly.clipped_steps}</td></tr>"
+        for ly in chosen)
+    return (f"<p>The charts below show the layers that matter ({escape(counts)} tensors): "
+            "those that held NaN/Inf, spiked (their largest norm far above their median, or "
+            "first to cross the spike threshold), were clipped most, or had the largest norms, "
+            "taken in turn from each list. Every tensor is in the layer table, with a search "
+            'box.</p><table class="data" id="top-table"><thead><tr><th>name</th><th>kind</th>'
+            "<th>why</th><th>max norm</th><th>max / median</th><th>NaN/Inf steps</th>"
+            f"<th>clipped steps</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
 def spikes(data: ReportData) -> str:
