@@ -339,6 +339,14 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
                 reader.get, kind_names, kind, steps, shapes,
                 lambda n: reader.get(n, "ratio", "update") if "update" in kinds else None)
             rows += bad
+            # rows without a norm that count NaN/Inf (the "<scaler>" row's overflows)
+            others = reader.names("nonfinite", kind)
+            scanned = set(kind_names)
+            for name in _order([n for n in (names if others is None else others)
+                                if n not in scanned], meta, kind):
+                row = nonfinite_row(reader.get, name, kind)
+                if row is not None:
+                    rows.append(row)
             if not layers:
                 continue
             data.layers += layers

@@ -1,7 +1,8 @@
 """The report's per-tensor pass over a run: one tensor at a time, in bounded memory.
 
-For every stored tensor of a kind, :func:`scan_kind` reads its ``norm`` (and ``nonfinite``,
-``clip_factor``) series once, keeps a few summary numbers (:class:`LayerSummary`), one row of
+For every stored tensor of a kind, :func:`scan_kind` reads its ``norm`` series once (and
+its ``nonfinite`` counts when the norm is ever non-finite, its ``clip_factor`` and update
+ratio when the run has them), keeps a few summary numbers (:class:`LayerSummary`), one row of
 the layers-by-steps heatmap (the maximum of each of at most :data:`HEAT_COLS` step columns)
 and its first non-finite step, and lets the series go. :func:`top_layers` then picks the
 layers that matter (non-finite, spiking, most clipped, largest), at most :data:`TOP_K` of
@@ -36,8 +37,8 @@ HEAT_ROWS = 40
 class LayerSummary:
     """Per-tensor numbers for the summary tables (report and ``gradtap demo``).
 
-    ``peak`` is the largest finite norm over the median one (a one-step spike of 10x shows
-    as 10); ``clipped_steps`` the steps a spike rule scaled the gradient down
+    ``peak`` is the largest factor by which a norm exceeds both its neighbours (a one-step
+    spike of 10x shows as about 10, a trend or slow drift as about 1); ``clipped_steps`` the steps a spike rule scaled the gradient down
     (``clip_factor < 1``); ``why`` the reasons the report charts it (empty when the run has
     no more than :data:`TOP_K` tensors of its kind, or when it is only in the table).
     """
@@ -82,6 +83,17 @@ def _heat_axis(steps: np.ndarray) -> tuple[int, list[tuple[float, float]]]:
     return HEAT_COLS, edges
 
 
+def _spike_factor(vals: np.ndarray) -> float:
+    """``max_t min(v[t] / v[t-1], v[t] / v[t+1])`` over positive finite neighbours."""
+    v = np.where(np.isfinite(vals) & (vals > 0), vals, np.nan)
+    if len(v) < 3:
+        return math.nan
+    with np.errstate(invalid="ignore", divide="ignore"):
+        up = np.fmin(v[1:-1] / v[:-2], v[1:-1] / v[2:])
+    up = up[np.isfinite(up)]
+    return float(up.max()) if len(up) else math.nan
+
+
 def nonfinite_row(get: Getter, name: str, kind: str) -> dict | None:
     """From the stored ``nonfinite`` counts of a tensor: its first and last step with NaN/Inf,
     how many steps and the largest count; ``None`` when it never held one."""
@@ -124,7 +136,8 @@ def scan_kind(get: Getter, names: Sequence[str], kind: str, steps: Sequence[int]
             grid[r] = column_max(st, vals, ncols, lo, hi)
         fin = vals[np.isfinite(vals)]
         nonfinite_steps = int(len(vals) - len(fin))
-        row = nonfinite_row(get, name, kind)
+        # a NaN/Inf element makes the norm non-finite: read the counts only then
+        row = nonfinite_row(get, name, kind) if nonfinite_steps else None
         if row is not None:
             bad_rows.append(row)
             nonfinite_steps = max(nonfinite_steps, row["steps"])
@@ -140,7 +153,7 @@ def scan_kind(get: Getter, names: Sequence[str], kind: str, steps: Sequence[int]
             median_norm=median, max_norm=top, nonfinite_steps=nonfinite_steps,
             last_ratio=float(rfin[-1]) if rfin is not None and len(rfin) else None,
             median_ratio=float(np.median(rfin)) if rfin is not None and len(rfin) else None,
-            peak=top / median if median > 0 else math.nan,
+            peak=_spike_factor(vals),
             clipped_steps=int((clip[1] < 1.0).sum()) if clip is not None else 0))
     present = {ly.name for ly in layers}
     keep = [i for i, n in enumerate(names) if n in present]
@@ -150,8 +163,8 @@ def scan_kind(get: Getter, names: Sequence[str], kind: str, steps: Sequence[int]
 def top_layers(layers: Sequence[LayerSummary], k: int = TOP_K,
                spiking: Sequence[str] = ()) -> list[str]:
     """The names of at most ``k`` layers that matter, in model order, each with its reasons
-    set in ``why``: those that held NaN/Inf (earliest first), spiked (first to cross the
-    spike threshold most often, then the largest ``peak``), were clipped most, and had the
+    set in ``why``: those that held NaN/Inf (model order), spiked (first to cross the
+    spike threshold most often, then the largest ``peak``, above 3), were clipped most, and had the
     largest norms, taken in turn from each list. With ``k`` or fewer layers: all of them."""
     if len(layers) <= k:
         return [ly.name for ly in layers]

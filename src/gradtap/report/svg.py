@@ -52,7 +52,7 @@ def viridis(t: float) -> str:
 
 
 def _tick_label(v: float) -> str:
-    """The shortest label that reads back as ``v`` (to 1e-9 of it): plain digits from 0.01 to
+    """The shortest label that reads back as ``v`` (to 4 ulps): plain digits from 0.01 to
     below 10^4 (``0.25``, ``1500``), ``mantissa e exponent`` outside (``1.5e-4``, ``2.5e4``).
 
     Example:
@@ -65,7 +65,7 @@ def _tick_label(v: float) -> str:
     a = abs(v)
     for digits in range(16):
         text = f"{v:.{digits}e}"
-        if abs(float(text) - v) <= 1e-9 * a:
+        if abs(float(text) - v) <= 4 * np.spacing(a):
             break
     mant, _, exp = text.partition("e")
     if a >= 1e4 or a < 1e-2:
@@ -410,8 +410,9 @@ def heatmap(
 ) -> str:
     """Render ``values`` [rows, cols] as coloured cells (viridis, log10 by default).
 
-    NaN/Inf cells are red, cells ``<= 0`` on a log scale light grey; each cell has a
-    ``<title>`` tooltip ``row, step: value``. A colour bar shows the value range.
+    NaN/Inf cells are red, cells ``<= 0`` on a log scale light grey; each row has its
+    name as a ``<title>`` and each cell a ``<title>`` tooltip ``step: value``. A colour bar
+    shows the value range.
 
     Args:
         rows: row labels (escaped).
@@ -449,7 +450,8 @@ def heatmap(
         short = name if len(name) * 7 + 12 <= label_w else name[: (label_w - 24) // 7] + "…"
         parts.append(f'<text x="{f.left - 6}" y="{y + row_height / 2 + 4:.1f}" text-anchor="end" '
                      f'class="gt-rowlabel"><title>{escape(name)}</title>{escape(short)}</text>')
-        parts.append(f'<g class="gt-row" data-series="{escape(name)}">')
+        parts.append(f'<g class="gt-row" data-series="{escape(name)}"><title>{escape(name)}'
+                     f"</title>")
         for c, step in enumerate(cols):
             v = float(values[r, c])
             if not math.isfinite(v):
@@ -461,7 +463,7 @@ def heatmap(
                 color, cls = viridis(t), ""
             where = (f"steps {col_edges[c][0]:g}–{col_edges[c][1]:g}" if col_edges
                      and col_edges[c][0] != col_edges[c][1] else f"step {step:g}")
-            tip = escape(f"{name}, {where}: {value_label} {format_number(v, short=True)}")
+            tip = escape(f"{where}: {format_number(v, short=True)}")  # the row says whose
             parts.append(f'<rect x="{f.left + c * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" '
                          f'height="{row_height - 1}" fill="{color}"{cls}><title>{tip}</title></rect>')
         parts.append("</g>")

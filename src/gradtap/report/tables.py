@@ -150,7 +150,7 @@ def layer_table(data: ReportData) -> str:
             f"{n} tensors</span></p>"
             '<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
             "<th>shape</th><th>steps</th><th>first norm</th><th>last norm</th><th>median norm</th>"
-            "<th>max norm</th><th>max / median</th><th>NaN/Inf steps</th><th>clipped steps</th>"
+            "<th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th><th>clipped steps</th>"
             "<th>median update ratio</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>")
 
@@ -167,11 +167,12 @@ def top_table(data: ReportData) -> str:
         f"<td>{_value(ly.peak)}</td><td>{ly.nonfinite_steps}</td><td>{ly.clipped_steps}</td></tr>"
         for ly in chosen)
     return (f"<p>The charts below show the layers that matter ({escape(counts)} tensors): "
-            "those that held NaN/Inf, spiked (their largest norm far above their median, or "
-            "first to cross the spike threshold), were clipped most, or had the largest norms, "
-            "taken in turn from each list. Every tensor is in the layer table, with a search "
+            "those that held NaN/Inf, spiked (a norm more than 3x both its neighbours, the "
+            "largest first, or first to cross the spike threshold), were clipped most, or had "
+            "the largest norms, taken in turn from each list. Spike × is the largest factor by "
+            "which a norm exceeds both its neighbours' (about 1 for a smooth series). Every tensor is in the layer table, with a search "
             'box.</p><table class="data" id="top-table"><thead><tr><th>name</th><th>kind</th>'
-            "<th>why</th><th>max norm</th><th>max / median</th><th>NaN/Inf steps</th>"
+            "<th>why</th><th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th>"
             f"<th>clipped steps</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
