@@ -125,6 +125,13 @@ def test_top_layers_leads_with_nonfinite_spiking_clipped_and_largest():
     assert why["nan"] == ["non-finite"] and why["clip"] == ["clipped"] and why["big"] == ["largest"]
     assert "spiking" in why["spike"]
     small = [_layer(f"s{i}") for i in range(5)]
+    # the spike factor: a norm over both its neighbours, blind to a trend
+    from gradtap.report.layers import _spike_factor
+    trend = np.exp(-np.linspace(0, 5, 1000))
+    assert _spike_factor(trend) == pytest.approx(1.0, abs=0.01)
+    trend[500] *= 10.0
+    trend[600] = np.nan
+    assert _spike_factor(trend) == pytest.approx(10.0, rel=0.01)
     assert top_layers(small, k=6) == [f"s{i}" for i in range(5)]
     assert not any(ly.why for ly in small)
 
@@ -257,3 +264,10 @@ def test_large_store_in_headless_chromium(large_run, browser, tmp_path):  # noqa
     assert found["shown"] == [hidden] and found["count"] == f"1 of {TENSORS} tensors"
     assert browser.problems() == []
     assert elapsed < 60 and render < 20  # generous: a loaded machine; the benchmark measures
+
+
+def test_report_scale_benchmark_quick(capsys):
+    """The benchmark script runs end to end at tiny sizes, its planted tensors on top."""
+    table = report_scale.main(["--quick"])
+    row = table.splitlines()[-1]
+    assert row.startswith("| 40 | 300 |") and row.endswith("| spike, nan, large |"), row

@@ -410,9 +410,8 @@ def heatmap(
 ) -> str:
     """Render ``values`` [rows, cols] as coloured cells (viridis, log10 by default).
 
-    NaN/Inf cells are red, cells ``<= 0`` on a log scale light grey; each row has its
-    name as a ``<title>`` and each cell a ``<title>`` tooltip ``step: value``. A colour bar
-    shows the value range.
+    NaN/Inf cells are red, cells ``<= 0`` on a log scale light grey; each cell has a
+    ``<title>`` tooltip ``row, step: value``. A colour bar shows the value range.
 
     Args:
         rows: row labels (escaped).
@@ -450,8 +449,7 @@ def heatmap(
         short = name if len(name) * 7 + 12 <= label_w else name[: (label_w - 24) // 7] + "…"
         parts.append(f'<text x="{f.left - 6}" y="{y + row_height / 2 + 4:.1f}" text-anchor="end" '
                      f'class="gt-rowlabel"><title>{escape(name)}</title>{escape(short)}</text>')
-        parts.append(f'<g class="gt-row" data-series="{escape(name)}"><title>{escape(name)}'
-                     f"</title>")
+        parts.append(f'<g class="gt-row" data-series="{escape(name)}">')
         for c, step in enumerate(cols):
             v = float(values[r, c])
             if not math.isfinite(v):
@@ -463,7 +461,7 @@ def heatmap(
                 color, cls = viridis(t), ""
             where = (f"steps {col_edges[c][0]:g}–{col_edges[c][1]:g}" if col_edges
                      and col_edges[c][0] != col_edges[c][1] else f"step {step:g}")
-            tip = escape(f"{where}: {format_number(v, short=True)}")  # the row says whose
+            tip = escape(f"{name}, {where}: {value_label} {format_number(v, short=True)}")
             parts.append(f'<rect x="{f.left + c * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" '
                          f'height="{row_height - 1}" fill="{color}"{cls}><title>{tip}</title></rect>')
         parts.append("</g>")
