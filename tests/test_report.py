@@ -11,7 +11,6 @@ import re
 import select
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from html.parser import HTMLParser
