@@ -262,6 +262,28 @@ def test_large_store_in_headless_chromium(large_run, browser, tmp_path):  # noqa
       return {{shown, count: document.getElementById("layer-count").textContent}};
     }})()""")
     assert found["shown"] == [hidden] and found["count"] == f"1 of {TENSORS} tensors"
+    # a click on a row draws that tensor's norm over the whole run, from the page's data
+    spark = browser.eval(f"""(() => {{
+      const pick = name => [...document.querySelectorAll("#layer-table tbody tr")]
+          .find(r => r.cells[0].textContent === name);
+      const box = document.getElementById("layer-search");
+      box.value = ""; box.dispatchEvent(new Event("input"));
+      const out = {{}};
+      for (const name of [{hidden!r}, {nan!r}]) {{
+        pick(name).click();
+        const tr = pick(name).nextElementSibling;
+        const path = tr.querySelector("svg.gt-spark path");
+        out[name] = {{spark: tr.classList.contains("spark"),
+                     points: (path.getAttribute("d").match(/[ML]/g) || []).length,
+                     red: tr.querySelectorAll(".gt-spark-nonfinite").length,
+                     height: tr.getBoundingClientRect().height}};
+      }}
+      return out;
+    }})()""")
+    cols = min(STEPS, 200)
+    assert spark[hidden] == {"spark": True, "points": cols, "red": 0, "height": spark[hidden]["height"]}
+    assert spark[hidden]["height"] > 50
+    assert spark[nan]["red"] == 1 and spark[nan]["points"] == cols - 1
     assert browser.problems() == []
     assert elapsed < 60 and render < 20  # generous: a loaded machine; the benchmark measures
 

@@ -2,7 +2,8 @@
 
 Both are written into the page itself (no network access, no external assets); the script
 only adds interaction (legend highlighting, showing every row of a long table, filtering
-the layer table by name), and the page is complete without it.
+the layer table by name, drawing a layer's norm when its row is clicked), and the page is
+complete without it.
 """
 
 __all__ = ["CSS", "JS"]
@@ -59,6 +60,9 @@ table.data tr.bad td{background:#fff0f0}
 #nonfinite-table tr.more{display:none}#nonfinite-table.all tr.more{display:table-row}
 p.search input{font:inherit;padding:3px 8px;border:1px solid var(--line);border-radius:6px;min-width:280px}
 #layer-count{color:var(--muted);font-size:12px}
+#layer-table tr.has-spark{cursor:pointer}#layer-table tr.spark td{background:var(--bg)}
+svg.gt-spark{width:100%;height:90px;display:block;background:#fff}
+svg.gt-spark .gt-spark-nonfinite{fill:#d7191c;fill-opacity:.6}
 button.more-toggle{font:inherit;font-size:12px;padding:2px 10px;border:1px solid var(--line);border-radius:6px;background:#fff;cursor:pointer}
 table.kv th{text-align:left;font-weight:500;color:var(--muted);padding:2px 16px 2px 0;vertical-align:top;white-space:nowrap}
 table.kv td{padding:2px 0;word-break:break-word}
@@ -110,6 +114,7 @@ JS = """
   if (search) {
     search.addEventListener("input", function () {
       var q = search.value.trim().toLowerCase();
+      document.querySelectorAll("#layer-table tr.spark").forEach(function (r) { r.remove(); });
       var shown = 0;
       layerRows.forEach(function (row) {
         var hit = !q || row.cells[0].textContent.toLowerCase().indexOf(q) >= 0;
@@ -120,6 +125,51 @@ JS = """
           shown + " of " + layerRows.length + " tensors";
     });
   }
+  var NS = "http://www.w3.org/2000/svg";
+  function spark(row) {
+    var bytes = atob(row.getAttribute("data-heat"));
+    var lo = +row.getAttribute("data-lo"), hi = +row.getAttribute("data-hi");
+    var w = 900, h = 90, n = bytes.length, pts = [], svg = document.createElementNS(NS, "svg");
+    svg.setAttribute("class", "gt-spark");
+    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    for (var i = 0; i < n; i++) {
+      var b = bytes.charCodeAt(i), x = (i + 0.5) / n * w;
+      if (b === 254) {
+        var mark = document.createElementNS(NS, "rect");
+        mark.setAttribute("class", "gt-spark-nonfinite");
+        mark.setAttribute("x", x - 1.5); mark.setAttribute("y", 0);
+        mark.setAttribute("width", 3); mark.setAttribute("height", h);
+        svg.appendChild(mark);
+      }
+      pts.push(b >= 1 && b <= 253 ? x.toFixed(1) + "," + (h - 4 - (b - 1) / 252 * (h - 8)).toFixed(1) : null);
+    }
+    var d = "", up = true;
+    pts.forEach(function (p) { if (p === null) { up = true; } else { d += (up ? "M" : "L") + p + " "; up = false; } });
+    var path = document.createElementNS(NS, "path");
+    path.setAttribute("d", d); path.setAttribute("fill", "none");
+    path.setAttribute("stroke", "#4e79a7"); path.setAttribute("stroke-width", "1.4");
+    svg.appendChild(path);
+    var cell = document.createElement("td");
+    cell.colSpan = row.cells.length;
+    var note = document.createElement("div");
+    note.className = "muted";
+    note.textContent = "steps " + row.getAttribute("data-steps") + "; log10 of the norm from " +
+        lo.toFixed(2) + " (bottom) to " + hi.toFixed(2) + " (top)";
+    cell.appendChild(svg); cell.appendChild(note);
+    var tr = document.createElement("tr");
+    tr.className = "spark";
+    tr.appendChild(cell);
+    return tr;
+  }
+  layerRows.forEach(function (row) {
+    if (!row.hasAttribute("data-heat")) { return; }
+    row.classList.add("has-spark");
+    row.addEventListener("click", function () {
+      var next = row.nextElementSibling;
+      if (next && next.classList.contains("spark")) { next.remove(); return; }
+      row.parentNode.insertBefore(spark(row), row.nextSibling);
+    });
+  });
   document.documentElement.setAttribute("data-gt-ready", "1");
 })();
 """

@@ -9,6 +9,7 @@ that comes from user code (module and parameter names, metadata, messages) goes 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import numpy as np
 
 from gradtap._text import format_number
 from gradtap.report.data import ReportData
+from gradtap.report.layers import Heat
 
 __all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview", "top_table"]
 
@@ -135,10 +137,14 @@ def layer_table(data: ReportData) -> str:
     if not data.layers:
         return ""
     rows = []
+    codes = {kind: _heat_codes(heat) for kind, heat in data.heat.items()}
     for ly in data.layers:
         bad = ' class="bad"' if ly.nonfinite_steps else ""
+        code, lo, hi, first, last = codes.get(ly.kind, {}).get(ly.name, ("", 0, 0, 0, 0))
+        heat = (f' data-heat="{code}" data-lo="{lo:.4g}" data-hi="{hi:.4g}" '
+                f'data-steps="{first:g}–{last:g}"' if code else "")
         rows.append(
-            f"<tr{bad}><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
+            f"<tr{bad}{heat}><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
             f"<td>{escape(_shape(ly.shape))}</td><td>{ly.steps}</td>"
             f"<td>{_value(ly.first_norm)}</td><td>{_value(ly.last_norm)}</td>"
             f"<td>{_value(ly.median_norm)}</td><td>{_value(ly.max_norm)}</td>"
@@ -147,12 +153,33 @@ def layer_table(data: ReportData) -> str:
     n = len(data.layers)
     return ('<p class="search"><input type="search" id="layer-search" placeholder="find a '
             f'layer by name" aria-label="find a layer by name"> <span id="layer-count">{n} of '
-            f"{n} tensors</span></p>"
+            f"{n} tensors</span> <span class=\"muted\">Click a row for its norm over the run "
+            "(each point the largest of its steps, log scale; red: NaN/Inf).</span></p>"
             '<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
             "<th>shape</th><th>steps</th><th>first norm</th><th>last norm</th><th>median norm</th>"
             "<th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th><th>clipped steps</th>"
             "<th>median update ratio</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _heat_codes(heat: Heat) -> dict[str, tuple[str, float, float, float, float]]:
+    """Each heatmap row as base64 bytes for the page's script to draw on demand: 0 nothing
+    recorded (or not positive), 1-253 log10 of the value between the kind's smallest and
+    largest (``lo``, ``hi``), 254 NaN/Inf; with the first and last step."""
+    grid = heat.grid
+    pos = grid[np.isfinite(grid) & (grid > 0)]
+    if not len(pos) or not len(heat.edges):
+        return {}
+    lo, hi = math.log10(float(pos.min())), math.log10(float(pos.max()))
+    span = hi - lo if hi > lo else 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = 1 + np.round((np.log10(grid) - lo) / span * 252)
+    code = np.where(np.isfinite(grid) & (grid > 0), scaled, 0)
+    code = np.where(np.isnan(grid), 254, code).clip(0, 254).astype(np.uint8)
+    steps = [e for e in heat.edges if e[0] >= 0]
+    first, last = (steps[0][0], steps[-1][1]) if steps else (0.0, 0.0)
+    return {name: (base64.b64encode(code[i].tobytes()).decode("ascii"), lo, hi, first, last)
+            for i, name in enumerate(heat.names)}
 
 
 def top_table(data: ReportData) -> str:
