@@ -71,13 +71,16 @@ class Heat:
 
 
 def _heat_axis(steps: np.ndarray) -> tuple[int, list[tuple[float, float]]]:
-    """The heatmap's column count and each column's first and last stored step."""
+    """The heatmap's column count and each column's first and last stored step (the range
+    it covers, when it holds none)."""
     if len(steps) <= HEAT_COLS:
         return len(steps), [(float(s), float(s)) for s in steps]
     col = _columns(steps.astype(float), HEAT_COLS, float(steps[0]), float(steps[-1]))
     starts = np.flatnonzero(np.r_[True, col[1:] != col[:-1]])
     ends = np.r_[starts[1:], len(steps)] - 1
-    edges = [(-1.0, -1.0)] * HEAT_COLS
+    lo, width = float(steps[0]), (float(steps[-1]) - float(steps[0])) / HEAT_COLS
+    edges = [(float(round(lo + c * width)), float(round(lo + (c + 1) * width)))
+             for c in range(HEAT_COLS)]  # for the columns without a stored step
     for c, a, z in zip(col[starts].tolist(), starts.tolist(), ends.tolist(), strict=True):
         edges[c] = (float(steps[a]), float(steps[z]))
     return HEAT_COLS, edges

@@ -176,8 +176,7 @@ def _heat_codes(heat: Heat) -> dict[str, tuple[str, float, float, float, float]]
         scaled = 1 + np.round((np.log10(grid) - lo) / span * 252)
     code = np.where(np.isfinite(grid) & (grid > 0), scaled, 0)
     code = np.where(np.isnan(grid), 254, code).clip(0, 254).astype(np.uint8)
-    steps = [e for e in heat.edges if e[0] >= 0]
-    first, last = (steps[0][0], steps[-1][1]) if steps else (0.0, 0.0)
+    first, last = heat.edges[0][0], heat.edges[-1][1]
     return {name: (base64.b64encode(code[i].tobytes()).decode("ascii"), lo, hi, first, last)
             for i, name in enumerate(heat.names)}
 
