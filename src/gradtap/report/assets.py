@@ -125,39 +125,31 @@ JS = """
           shown + " of " + layerRows.length + " tensors";
     });
   }
-  var NS = "http://www.w3.org/2000/svg";
   function spark(row) {
     var bytes = atob(row.getAttribute("data-heat"));
     var lo = +row.getAttribute("data-lo"), hi = +row.getAttribute("data-hi");
-    var w = 900, h = 90, n = bytes.length, pts = [], svg = document.createElementNS(NS, "svg");
-    svg.setAttribute("class", "gt-spark");
-    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    var w = 900, h = 90, n = bytes.length, d = "", marks = "", up = true;
     for (var i = 0; i < n; i++) {
       var b = bytes.charCodeAt(i), x = (i + 0.5) / n * w;
       if (b === 254) {
-        var mark = document.createElementNS(NS, "rect");
-        mark.setAttribute("class", "gt-spark-nonfinite");
-        mark.setAttribute("x", x - 1.5); mark.setAttribute("y", 0);
-        mark.setAttribute("width", 3); mark.setAttribute("height", h);
-        svg.appendChild(mark);
+        marks += '<rect class="gt-spark-nonfinite" x="' + (x - 1.5).toFixed(1) +
+            '" y="0" width="3" height="' + h + '"/>';
       }
-      pts.push(b >= 1 && b <= 253 ? x.toFixed(1) + "," + (h - 4 - (b - 1) / 252 * (h - 8)).toFixed(1) : null);
+      if (b >= 1 && b <= 253) {
+        d += (up ? "M" : "L") + x.toFixed(1) + "," + (h - 4 - (b - 1) / 252 * (h - 8)).toFixed(1) + " ";
+        up = false;
+      } else { up = true; }
     }
-    var d = "", up = true;
-    pts.forEach(function (p) { if (p === null) { up = true; } else { d += (up ? "M" : "L") + p + " "; up = false; } });
-    var path = document.createElementNS(NS, "path");
-    path.setAttribute("d", d); path.setAttribute("fill", "none");
-    path.setAttribute("stroke", "#4e79a7"); path.setAttribute("stroke-width", "1.4");
-    svg.appendChild(path);
-    var cell = document.createElement("td");
-    cell.colSpan = row.cells.length;
-    var note = document.createElement("div");
-    note.className = "muted";
-    note.textContent = "steps " + row.getAttribute("data-steps") + "; log10 of the norm from " +
-        lo.toFixed(2) + " (bottom) to " + hi.toFixed(2) + " (top)";
-    cell.appendChild(svg); cell.appendChild(note);
     var tr = document.createElement("tr");
     tr.className = "spark";
+    var cell = document.createElement("td");
+    cell.colSpan = row.cells.length;
+    // parsed as HTML: the svg element lands in the SVG namespace
+    cell.innerHTML = '<svg class="gt-spark" viewBox="0 0 ' + w + " " + h + '">' + marks +
+        '<path d="' + d + '" fill="none" stroke="#4e79a7" stroke-width="1.4"></path></svg>' +
+        '<div class="muted"></div>';
+    cell.lastChild.textContent = "steps " + row.getAttribute("data-steps") +
+        "; log10 of the norm from " + lo.toFixed(2) + " (bottom) to " + hi.toFixed(2) + " (top)";
     tr.appendChild(cell);
     return tr;
   }

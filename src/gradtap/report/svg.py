@@ -52,7 +52,7 @@ def viridis(t: float) -> str:
 
 
 def _tick_label(v: float) -> str:
-    """The shortest label that reads back as ``v`` (to 4 ulps): plain digits from 0.01 to
+    """The shortest label that reads back as ``v`` exactly: plain digits from 0.01 to
     below 10^4 (``0.25``, ``1500``), ``mantissa e exponent`` outside (``1.5e-4``, ``2.5e4``).
 
     Example:
@@ -65,7 +65,7 @@ def _tick_label(v: float) -> str:
     a = abs(v)
     for digits in range(16):
         text = f"{v:.{digits}e}"
-        if abs(float(text) - v) <= 4 * np.spacing(a):
+        if float(text) == v:
             break
     mant, _, exp = text.partition("e")
     if a >= 1e4 or a < 1e-2:
@@ -112,9 +112,10 @@ class _Scale:
         if self.log:
             e0, e1 = math.floor(self.lo), math.ceil(self.hi)
             step = max(1, math.ceil((e1 - e0) / 7))
-            out = [10.0**e for e in range(e0, e1 + 1, step)]
+            # float("2e-5"), not 2 * 10.0**-5: the tick is the number its label reads
+            out = [float(f"1e{e}") for e in range(e0, e1 + 1, step)]
             if e1 - e0 <= 2:
-                out = sorted({m * 10.0**e for e in range(e0 - 1, e1 + 1) for m in (1, 2, 5)})
+                out = sorted({float(f"{m}e{e}") for e in range(e0 - 1, e1 + 1) for m in (1, 2, 5)})
             return [t for t in out if self.lo - 1e-9 <= math.log10(t) <= self.hi + 1e-9]
         return _nice_ticks(self.lo, self.hi, n)
 
