@@ -1,7 +1,7 @@
 """The report at scale: ``gradtap report`` on a generated store of many tensors and steps.
 
 Run: .venv/bin/python benchmarks/report_scale.py [--tensors 1000] [--steps 100000]
-     [--stats norm,nonfinite] [--keep DIR] [--quick]
+     [--stats norm,nonfinite] [--keep DIR] [--in-memory] [--quick]
 
 Writes a run store with :class:`gradtap.store.RunWriter` (the Monitor's writer), as a Monitor
 with ``stats=`` would: one ``norm`` per tensor and step (log-normal noise around a trend that
@@ -10,7 +10,11 @@ asked for; planted in it: a one-step spike of 1000x in one tensor, a NaN in anot
 tensor ten times larger than the rest. Then it times ``gradtap report`` (a fresh process), the
 page's size, and headless Chromium loading and laying out the page (when installed: the time
 from navigation to the load event and a full layout), and checks that the planted tensors
-lead the page and that the spike is in the norm chart.
+lead the page.
+
+``--in-memory`` times the report's own work at any size without writing the store: the
+series are made in memory and handed to the report in place of ``Run.series`` (``gradtap
+report``'s time is then the report's alone, in this process; the store's reads come on top).
 """
 
 from __future__ import annotations
@@ -142,17 +146,75 @@ def measure(tensors: int, steps: int, stats: tuple[str, ...], keep: Path | None)
             shutil.rmtree(work, ignore_errors=True)
 
 
+def measure_in_memory(tensors: int, steps: int, keep: Path | None) -> dict:
+    """The report's own cost at full size, without the store's: a one-step store gives the
+    run's metadata and names, and ``Run.series``/``Run.steps`` are replaced in this process
+    by the generator's series, made in memory (norms as :func:`make_store` writes them, the
+    same planted spike, NaN and large tensor)."""
+    from gradtap.report import write_report
+    from gradtap.store import Run
+
+    work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="gradtap-report-scale-"))
+    run_dir = work / "run"
+    planted = make_store(run_dir, tensors, 1)
+    names = planted["names"]
+    spike = (names[SPIKE[0] % tensors], int(SPIKE[1] * (steps - 1)))
+    nan = (names[NAN[0] % tensors], int(NAN[1] * (steps - 1)))
+    rng = np.random.default_rng(0)
+    scale = np.exp(rng.normal(0.0, 1.0, tensors))
+    scale[LARGE % tensors] = scale.max() * 10.0
+    trend = np.exp(-np.linspace(0.0, 1.5, steps))
+    all_steps = np.arange(steps, dtype=np.int64)
+    index = {n: i for i, n in enumerate(names)}
+
+    def series(self: Run, name: str, stat: str, kind: str = "param_grad"):
+        i = index[name]
+        norms = scale[i] * trend * np.exp(np.random.default_rng(i).normal(0.0, 0.2, steps))
+        if name == spike[0]:
+            norms[spike[1]] *= 1000.0
+        if name == nan[0]:
+            norms[nan[1]] = np.nan
+        if stat == "nonfinite":
+            return all_steps, np.where(np.isnan(norms), 3.0, 0.0)
+        return all_steps, norms
+
+    saved = Run.series, Run.steps
+    Run.series = series  # type: ignore[method-assign]
+    Run.steps = property(lambda self: all_steps.tolist())  # type: ignore[assignment]
+    try:
+        t0 = time.perf_counter()
+        page = write_report(run_dir)
+        t_report = time.perf_counter() - t0
+    finally:
+        Run.series, Run.steps = saved  # type: ignore[method-assign]
+    try:
+        text = page.read_text()
+        top = text[text.index('id="top-table"'):text.index("</table>", text.index('id="top-table"'))]
+        found = {k: f"<code>{v}</code>" in top
+                 for k, v in (("spike", spike[0]), ("nan", nan[0]), ("large", planted["large"]))}
+        return {"tensors": tensors, "steps": steps, "stats": "norm,nonfinite (in memory)",
+                "values": tensors * steps * 2, "store_mb": 0.0, "write_s": 0.0,
+                "report_s": t_report, "page_mb": page.stat().st_size / 1e6,
+                "render_s": chromium_render_seconds(page), "planted_on_top": found}
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--stats", default="norm,nonfinite")
     ap.add_argument("--keep", type=Path, default=None, help="keep the store and page here")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="time the report's own work: series made in memory, not read")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
         args.tensors, args.steps = 40, 300
-    r = measure(args.tensors, args.steps, tuple(args.stats.split(",")), args.keep)
+    r = (measure_in_memory(args.tensors, args.steps, args.keep) if args.in_memory
+         else measure(args.tensors, args.steps, tuple(args.stats.split(",")), args.keep))
     render = "n/a (no Chromium)" if r["render_s"] is None else f"{r['render_s']:.2f} s"
     table = "\n".join([
         "| tensors | steps | stats | values | store | write (RunWriter) | `gradtap report` "
