@@ -293,3 +293,16 @@ def test_report_scale_benchmark_quick(capsys):
     table = report_scale.main(["--quick"])
     row = table.splitlines()[-1]
     assert row.startswith("| 40 | 300 |") and row.endswith("| spike, nan, large |"), row
+
+
+def test_the_report_lists_series_without_reading_values(large_run):
+    """The report learns which (name, kind, stat) series exist from ``Run.arrays(names=[])``:
+    no values, the whole series table. Were that to read every value, a 10^8-value store
+    would be read whole before the report starts."""
+    from gradtap.store import open_run
+
+    run_dir, planted = large_run
+    steps, ids, values, series = open_run(run_dir).arrays(names=[])
+    assert len(steps) == len(ids) == len(values) == 0
+    assert sorted(series) == sorted((n, "param_grad", s) for n in planted["names"]
+                                    for s in ("norm", "nonfinite"))
