@@ -101,10 +101,7 @@ def test_report_data_is_read_from_the_store(demo_run):
 def test_report_data_without_the_series_table_is_the_same(demo_run, monkeypatch):
     """Where the run cannot list its series up front, missing ones are Run.series' KeyErrors."""
     listed = report.build_report_data(demo_run.run_dir)
-
-    def no_table(self, *args, **kwargs):
-        raise TypeError("no series table")
-
+    def no_table(*args, **kwargs): raise TypeError("no series table")
     monkeypatch.setattr(type(open_run(demo_run.run_dir)), "arrays", no_table)
     without = report.build_report_data(demo_run.run_dir)
     for kind in ("param_grad", "grad_output"):

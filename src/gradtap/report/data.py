@@ -326,7 +326,8 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
         reader = _SeriesReader(run)
         rows: list[dict[str, Any]] = []
         if "param_grad" in kinds:
-            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"))
+            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"),
+                                                      steps)
         spiking = [e["name"] for e in data.spikes]
         for kind in ("param_grad", "grad_output"):
             if kind not in kinds:
@@ -444,29 +445,33 @@ def _histograms(run: Run, data: ReportData, hist_pairs: list[tuple[str, str]],
 SPIKE_Z = 2.5
 
 
-def _spike_events(reader: _SeriesReader, names: list[str]
+def _spike_events(reader: _SeriesReader, names: list[str], steps: Sequence[int]
                   ) -> tuple[list[dict[str, Any]], dict[int, float]]:
     """The steps where some tensor's gradient-norm z-score crossed :data:`SPIKE_Z`, each with
     the first such tensor in backward order (the model's parameter order reversed: the
     gradient nearest the loss is computed first), and the steps a spike rule clipped."""
-    first: dict[int, tuple[str, float]] = {}
-    count: dict[int, int] = {}
-    clipped: dict[int, float] = {}
-    for name in reversed(names):
+    all_steps = np.asarray(steps, dtype=np.int64)
+    backward = list(reversed(names))
+    first = np.full(len(all_steps), -1)
+    first_z = np.full(len(all_steps), math.nan)
+    count = np.zeros(len(all_steps), dtype=np.int64)
+    clip = np.ones(len(all_steps))
+    for rank, name in enumerate(backward):
         z = reader.get(name, "zscore", "param_grad")
         if z is not None:
-            hit = np.flatnonzero(z[1] > SPIKE_Z)
-            for step, value in zip(z[0][hit].tolist(), z[1][hit].tolist(), strict=True):
-                first.setdefault(int(step), (name, float(value)))
-                count[int(step)] = count.get(int(step), 0) + 1
+            hit = z[1] > SPIKE_Z
+            pos, zs = np.searchsorted(all_steps, z[0][hit]), z[1][hit]
+            fresh = first[pos] < 0  # no tensor earlier in backward order crossed there
+            first[pos[fresh]] = rank
+            first_z[pos[fresh]] = zs[fresh]
+            count[pos] += 1
         f = reader.get(name, "clip_factor", "param_grad")
         if f is not None:
-            hit = np.flatnonzero(f[1] < 1.0)
-            for step, value in zip(f[0][hit].tolist(), f[1][hit].tolist(), strict=True):
-                clipped[int(step)] = min(clipped.get(int(step), 1.0), float(value))
-    spikes = [{"step": step, "name": first[step][0], "z": first[step][1], "count": count[step]}
-              for step in sorted(first)]
-    return spikes, dict(sorted(clipped.items()))
+            pos = np.searchsorted(all_steps, f[0][f[1] < 1.0])
+            clip[pos] = np.minimum(clip[pos], f[1][f[1] < 1.0])
+    spikes = [{"step": int(all_steps[i]), "name": backward[int(first[i])],
+               "z": float(first_z[i]), "count": int(count[i])} for i in np.flatnonzero(first >= 0)]
+    return spikes, {int(all_steps[i]): float(clip[i]) for i in np.flatnonzero(clip < 1.0)}
 
 
 def _damaged(run: Run, err: Exception) -> StoreError:

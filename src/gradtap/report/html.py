@@ -172,9 +172,10 @@ def _norms(data: ReportData) -> str:
                          "and those a spike rule clipped")
             spikes += [(float(e["step"]), f"step {e['step']}: {e['name']} spiked first "
                         f"(z = {e['z']:.1f}; {e['count']} tensor(s) above z = 2.5)")
-                       for e in data.spikes]
+                       for e in tables.largest_spikes(data)]
             spikes += [(float(step), f"step {step}: a spike rule clipped (smallest factor "
-                        f"{factor:.3g})") for step, factor in data.clipped.items()]
+                        f"{factor:.3g})")
+                       for step, factor in list(data.clipped.items())[:tables.MAX_EVENTS]]
         chart = svg.line_chart(lines, plot_id=pid, title=f"L2 norm of {label} per step",
                                log_y=True, y_label="L2 norm (log)", events=spikes)
         out.append(f"<h3>{escape(label)}</h3>" + _figure(

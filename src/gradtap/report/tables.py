@@ -202,6 +202,17 @@ def top_table(data: ReportData) -> str:
             f"<th>clipped steps</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
+#: Spike steps shown at most, in the table and as markers on the norm chart.
+MAX_EVENTS = 100
+
+
+def largest_spikes(data: ReportData) -> list[dict[str, Any]]:
+    """At most :data:`MAX_EVENTS` spike steps, those with the largest z, by step."""
+    if len(data.spikes) <= MAX_EVENTS:
+        return data.spikes
+    return sorted(sorted(data.spikes, key=lambda e: -e["z"])[:MAX_EVENTS], key=lambda e: e["step"])
+
+
 def spikes(data: ReportData) -> str:
     """The gradient spikes the Monitor's z-scores show, each with the first layer to spike
     (in backward order), and the steps a spike rule clipped."""
@@ -212,16 +223,21 @@ def spikes(data: ReportData) -> str:
         rows = "".join(
             f"<tr><td>{e['step']}</td><td><code>{escape(e['name'])}</code></td>"
             f"<td>{e['z']:.2f}</td><td>{e['count']}</td>"
-            f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in data.spikes)
+            f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in largest_spikes(data))
+        if len(data.spikes) > MAX_EVENTS:
+            out += (f'<p class="muted">The {MAX_EVENTS} of {len(data.spikes)} spike steps with '
+                    "the largest z, by step.</p>")
         out += ("<p>Steps where a gradient norm's z-score against its own history exceeded "
                 "2.5, with the first tensor (in backward order) to cross it: where the spike "
                 'started.</p><table class="data" id="spike-table"><thead><tr><th>step</th>'
                 "<th>first layer to spike</th><th>z</th><th>tensors above 2.5</th>"
                 f"<th>smallest clip factor</th></tr></thead><tbody>{rows}</tbody></table>")
     if data.clipped:
-        steps = ", ".join(f"{step} ({factor:.3g})" for step, factor in data.clipped.items())
+        steps = ", ".join(f"{step} ({factor:.3g})"
+                          for step, factor in list(data.clipped.items())[:MAX_EVENTS])
+        more = f" and {len(data.clipped) - MAX_EVENTS} more" if len(data.clipped) > MAX_EVENTS else ""
         out += (f"<p>A spike rule clipped at {len(data.clipped)} step(s) (smallest factor): "
-                f"{escape(steps)}.</p>")
+                f"{escape(steps)}{more}.</p>")
     return out
 
 
