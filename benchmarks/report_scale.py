@@ -44,7 +44,7 @@ LARGE = 11
 
 
 def tensor_names(n: int) -> list[str]:
-    """Parameter names of a deep model: ``layers.{i}.{attn.qkv,attn.out,mlp.fc1,mlp.fc2}.{weight,bias}``."""
+    """Parameter names of a deep model: ``layers.{i}.{attn.qkv,...,mlp.fc2}.{weight,bias}``."""
     parts = ("attn.qkv.weight", "attn.qkv.bias", "attn.out.weight", "attn.out.bias",
              "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
     return [f"layers.{i // len(parts)}.{parts[i % len(parts)]}" for i in range(n)]

@@ -38,8 +38,8 @@ class LayerSummary:
     """Per-tensor numbers for the summary tables (report and ``gradtap demo``).
 
     ``peak`` is the largest factor by which a norm exceeds both its neighbours (a one-step
-    spike of 10x shows as about 10, a trend or slow drift as about 1); ``clipped_steps`` the steps a spike rule scaled the gradient down
-    (``clip_factor < 1``); ``why`` the reasons the report charts it (empty when the run has
+    spike of 10x shows as about 10, a trend or slow drift as about 1); ``clipped_steps`` the
+    steps a spike rule scaled the gradient down (``clip_factor < 1``); ``why`` the reasons the report charts it (empty when the run has
     no more than :data:`TOP_K` tensors of its kind, or when it is only in the table).
     """
 
@@ -167,7 +167,7 @@ def top_layers(layers: Sequence[LayerSummary], k: int = TOP_K,
                spiking: Sequence[str] = ()) -> list[str]:
     """The names of at most ``k`` layers that matter, in model order, each with its reasons
     set in ``why``: those that held NaN/Inf (model order), spiked (first to cross the
-    spike threshold most often, then the largest ``peak``, above 3), were clipped most, and had the
+    spike threshold most often, then the largest ``peak``, above 3), were clipped most, had the
     largest norms, taken in turn from each list. With ``k`` or fewer layers: all of them."""
     if len(layers) <= k:
         return [ly.name for ly in layers]

@@ -196,8 +196,10 @@ def top_table(data: ReportData) -> str:
             "those that held NaN/Inf, spiked (a norm more than 3x both its neighbours, the "
             "largest first, or first to cross the spike threshold), were clipped most, or had "
             "the largest norms, taken in turn from each list. Spike × is the largest factor by "
-            "which a norm exceeds both its neighbours' (about 1 for a smooth series). Every tensor is in the layer table, with a search "
-            'box.</p><table class="data" id="top-table"><thead><tr><th>name</th><th>kind</th>'
+            "which a norm exceeds both its neighbours' (about 1 for a smooth series). Every "
+            'tensor is in the <a href="#layers">layer table</a>: search it by name, click a '
+            'row for its norm over the run.</p><table class="data" id="top-table"><thead><tr>'
+            "<th>name</th><th>kind</th>"
             "<th>why</th><th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th>"
             f"<th>clipped steps</th></tr></thead><tbody>{rows}</tbody></table>")
 
