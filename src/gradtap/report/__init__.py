@@ -4,7 +4,9 @@
 over steps (log scale), the noise scale, gain and RMS (:mod:`gradtap.report.health`), a
 layers-by-steps heatmap and one per split parameter's slices, histograms over time, EWMA
 bands, update-to-weight ratios, anomalies and the run's metadata, as inline SVG in a
-self-contained page.
+self-contained page. Every line keeps each pixel column's minimum and maximum (a one-step
+spike stays visible); with many tensors the charts show the layers that matter
+(:mod:`gradtap.report.layers`) and a searchable table lists every tensor.
 ``list_runs(root)`` finds run directories. The report only reads and renders a run; the
 training loop of ``gradtap demo`` lives in :mod:`gradtap.demo`.
 """

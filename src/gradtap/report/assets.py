@@ -1,8 +1,9 @@
 """The report page's inline assets: its style sheet and a few lines of script.
 
 Both are written into the page itself (no network access, no external assets); the script
-only adds interaction (legend highlighting, showing every row of a long table), and the page
-is complete without it.
+only adds interaction (legend highlighting, showing every row of a long table, filtering
+the layer table by name, drawing a layer's norm when its row is clicked), and the page is
+complete without it.
 """
 
 __all__ = ["CSS", "JS"]
@@ -57,6 +58,11 @@ table.data td{font-variant-numeric:tabular-nums}
 table.data thead th{background:var(--bg);font-weight:600}
 table.data tr.bad td{background:#fff0f0}
 #nonfinite-table tr.more{display:none}#nonfinite-table.all tr.more{display:table-row}
+p.search input{font:inherit;padding:3px 8px;border:1px solid var(--line);border-radius:6px;min-width:280px}
+#layer-count{color:var(--muted);font-size:12px}
+#layer-table tr.has-spark{cursor:pointer}#layer-table tr.spark td{background:var(--bg)}
+svg.gt-spark{width:100%;height:90px;display:block;background:#fff}
+svg.gt-spark .gt-spark-nonfinite{fill:#d7191c;fill-opacity:.6}
 button.more-toggle{font:inherit;font-size:12px;padding:2px 10px;border:1px solid var(--line);border-radius:6px;background:#fff;cursor:pointer}
 table.kv th{text-align:left;font-weight:500;color:var(--muted);padding:2px 16px 2px 0;vertical-align:top;white-space:nowrap}
 table.kv td{padding:2px 0;word-break:break-word}
@@ -102,6 +108,59 @@ JS = """
       button.textContent = all ? "show fewer rows" : button.getAttribute("data-label");
     });
     button.setAttribute("data-label", button.textContent);
+  });
+  var search = document.getElementById("layer-search");
+  var layerRows = Array.prototype.slice.call(document.querySelectorAll("#layer-table tbody tr"));
+  if (search) {
+    search.addEventListener("input", function () {
+      var q = search.value.trim().toLowerCase();
+      document.querySelectorAll("#layer-table tr.spark").forEach(function (r) { r.remove(); });
+      var shown = 0;
+      layerRows.forEach(function (row) {
+        var hit = !q || row.cells[0].textContent.toLowerCase().indexOf(q) >= 0;
+        row.style.display = hit ? "" : "none";
+        if (hit) { shown += 1; }
+      });
+      document.getElementById("layer-count").textContent =
+          shown + " of " + layerRows.length + " tensors";
+    });
+  }
+  function spark(row) {
+    var bytes = atob(row.getAttribute("data-heat"));
+    var lo = +row.getAttribute("data-lo"), hi = +row.getAttribute("data-hi");
+    var w = 900, h = 90, n = bytes.length, d = "", marks = "", up = true;
+    for (var i = 0; i < n; i++) {
+      var b = bytes.charCodeAt(i), x = (i + 0.5) / n * w;
+      if (b === 254) {
+        marks += '<rect class="gt-spark-nonfinite" x="' + (x - 1.5).toFixed(1) +
+            '" y="0" width="3" height="' + h + '"/>';
+      }
+      if (b >= 1 && b <= 253) {
+        d += (up ? "M" : "L") + x.toFixed(1) + "," + (h - 4 - (b - 1) / 252 * (h - 8)).toFixed(1) + " ";
+        up = false;
+      } else { up = true; }
+    }
+    var tr = document.createElement("tr");
+    tr.className = "spark";
+    var cell = document.createElement("td");
+    cell.colSpan = row.cells.length;
+    // parsed as HTML: the svg element lands in the SVG namespace
+    cell.innerHTML = '<svg class="gt-spark" viewBox="0 0 ' + w + " " + h + '">' + marks +
+        '<path d="' + d + '" fill="none" stroke="#4e79a7" stroke-width="1.4"></path></svg>' +
+        '<div class="muted"></div>';
+    cell.lastChild.textContent = "steps " + row.getAttribute("data-steps") +
+        "; log10 of the norm from " + lo.toFixed(2) + " (bottom) to " + hi.toFixed(2) + " (top)";
+    tr.appendChild(cell);
+    return tr;
+  }
+  layerRows.forEach(function (row) {
+    if (!row.hasAttribute("data-heat")) { return; }
+    row.classList.add("has-spark");
+    row.addEventListener("click", function () {
+      var next = row.nextElementSibling;
+      if (next && next.classList.contains("spark")) { next.remove(); return; }
+      row.parentNode.insertBefore(spark(row), row.nextSibling);
+    });
   });
   document.documentElement.setAttribute("data-gt-ready", "1");
 })();

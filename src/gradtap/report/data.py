@@ -16,7 +16,7 @@ import json
 import math
 import os
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import numpy as np
 
 from gradtap.errors import StoreError
 from gradtap.report.health import HealthData, is_slice, read_health
+from gradtap.report.layers import TOP_K, Heat, LayerSummary, nonfinite_row, scan_kind, top_layers
 from gradtap.store import DB_NAME, Run, open_run
 
 __all__ = [
@@ -201,30 +202,19 @@ Series = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass
-class LayerSummary:
-    """Per-tensor numbers for the summary tables (report and ``gradtap demo``)."""
-
-    name: str
-    kind: str
-    shape: list[int] | None
-    steps: int
-    first_norm: float
-    last_norm: float
-    median_norm: float
-    max_norm: float
-    nonfinite_steps: int
-    last_ratio: float | None
-    median_ratio: float | None
-
-
-@dataclass
 class ReportData:
-    """Everything the HTML report shows, read from one run directory."""
+    """Everything the HTML report shows, read from one run directory.
+
+    ``layers`` holds every tensor's summary (the layer table); the per-step series in
+    ``norms``, ``nonfinite`` and ``ratios`` are those of the charted layers only (all of a
+    kind when it has at most :data:`~gradtap.report.layers.TOP_K` tensors, else the layers
+    that matter, see :func:`~gradtap.report.layers.top_layers`); ``heat`` has every tensor.
+    """
 
     path: Path
     meta: dict[str, Any]
     steps: list[int]
-    # kind -> name -> (steps, values)
+    # kind -> name -> (steps, values), of the charted tensors
     norms: dict[str, dict[str, Series]] = field(default_factory=dict)
     nonfinite: dict[str, dict[str, Series]] = field(default_factory=dict)
     ratios: dict[str, Series] = field(default_factory=dict)
@@ -244,6 +234,10 @@ class ReportData:
     # step -> the smallest clip_factor a spike rule applied at that step (only steps < 1)
     clipped: dict[int, float] = field(default_factory=dict)
     health: HealthData = field(default_factory=HealthData)
+    # kind -> the layers-by-steps heatmap of every tensor of that kind
+    heat: dict[str, Heat] = field(default_factory=dict)
+    # kind -> how many tensors of that kind the run stored (charted or not)
+    tensors: dict[str, int] = field(default_factory=dict)
 
 
 def _order(names: Iterable[str], meta: dict[str, Any], kind: str) -> list[str]:
@@ -260,28 +254,34 @@ def _order(names: Iterable[str], meta: dict[str, Any], kind: str) -> list[str]:
 
 
 class _SeriesReader:
-    """Per-series reads, batched: one ``Run.frame()`` query for all of them when pandas is
-    installed (``Run.series()`` scans the scalars table once per call), else ``Run.series()``."""
+    """One series at a time through ``Run.series()``, asked only for series the run holds.
 
-    def __init__(self, run: Run, stats: Sequence[str], kinds: Sequence[str]) -> None:
+    Which ``(name, kind, stat)`` series exist comes from the run's series table
+    (``Run.arrays(names=[])`` returns it without reading a value); where that is not
+    available, a missing series is a ``KeyError`` of ``Run.series()``.
+    """
+
+    def __init__(self, run: Run) -> None:
         self.run = run
-        self.table: dict[tuple[str, str, str], Series] | None = None
+        self.keys: set[tuple[str, str, str]] | None
         try:
-            import pandas  # noqa: F401
-        except ImportError:
-            return
-        wanted_kinds = [k for k in kinds if k in run.kinds]
-        if not wanted_kinds:
-            self.table = {}
-            return
-        df = run.frame(stats=list(stats), kinds=wanted_kinds)
-        self.table = {}
-        for key, part in df.groupby(["name", "kind", "stat"], sort=False):
-            self.table[key] = (part["step"].to_numpy(np.int64), part["value"].to_numpy(float))
+            table = run.arrays(names=[])[3]
+            self.keys = {(str(n), str(k), str(s)) for n, k, s in table}
+        except (TypeError, ValueError, LookupError, AttributeError):
+            self.keys = None
+
+    def has(self, name: str, stat: str, kind: str) -> bool:
+        return self.keys is None or (name, kind, stat) in self.keys
+
+    def names(self, stat: str, kind: str) -> list[str] | None:
+        """The names with series ``(kind, stat)``, or ``None`` when unknown."""
+        if self.keys is None:
+            return None
+        return sorted({n for n, k, s in self.keys if k == kind and s == stat})
 
     def get(self, name: str, stat: str, kind: str) -> Series | None:
-        if self.table is not None:
-            return self.table.get((name, kind, stat))
+        if not self.has(name, stat, kind):
+            return None
         try:
             return self.run.series(name, stat, kind)
         except KeyError:
@@ -289,23 +289,24 @@ class _SeriesReader:
 
 
 def build_report_data(run_dir: str | os.PathLike[str] | Run,
-                      hist_names: Sequence[str] | None = None, max_hists: int = 6) -> ReportData:
+                      hist_names: Sequence[str] | None = None, max_hists: int = 6,
+                      top_k: int = TOP_K) -> ReportData:
     """Read everything the report needs from a run directory (or an open :class:`Run`).
+
+    One tensor at a time: memory does not grow with the number of tensors times the number
+    of steps beyond the charted layers' series.
 
     Args:
         run_dir: the run directory.
         hist_names: globs of tensors whose histograms to show (default: the weights' gradients,
             up to ``max_hists``).
         max_hists: how many histograms at most when ``hist_names`` is not given.
+        top_k: how many tensors of a kind to chart at most (the layers that matter).
 
     Raises:
         StoreError: no readable run store there, or a side file is corrupt.
         SelectionError: a ``hist_names`` glob matches no histogram.
     """
-    import fnmatch
-
-    from gradtap.errors import SelectionError
-
     run = run_dir if isinstance(run_dir, Run) else open_run(run_dir)
     try:
         meta = run.meta
@@ -319,58 +320,69 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
             raise
         raise _damaged(run, err) from err
     data = ReportData(path=run.path, meta=meta, steps=steps, ewma=ewma)
+    shapes = {p[0]: p[1] for p in (meta.get("model") or {}).get("parameters", [])
+              if isinstance(p, list) and len(p) >= 2}
     try:
-        reader = _SeriesReader(run, ("norm", "nonfinite", "ratio", "zscore", "clip_factor"),
-                               ("param_grad", "grad_output", "update"))
-        for kind in ("param_grad", "grad_output", "update"):
+        reader = _SeriesReader(run)
+        rows: list[dict[str, Any]] = []
+        if "param_grad" in kinds:
+            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"),
+                                                      steps)
+        spiking = [e["name"] for e in data.spikes]
+        for kind in ("param_grad", "grad_output"):
             if kind not in kinds:
                 continue
+            known = reader.names("norm", kind)
             # split= slices have a panel of their own (the experts' heatmaps)
-            for name in _order([n for n in names if not is_slice(n)], meta, kind):
+            kind_names = _order([n for n in (names if known is None else known)
+                                 if not is_slice(n) and reader.has(n, "norm", kind)], meta, kind)
+            layers, heat, bad = scan_kind(
+                reader.get, kind_names, kind, steps, shapes,
+                lambda n: reader.get(n, "ratio", "update") if "update" in kinds else None)
+            rows += bad
+            # rows without a norm that count NaN/Inf (the "<scaler>" row's overflows)
+            others = reader.names("nonfinite", kind)
+            scanned = set(kind_names)
+            for name in _order([n for n in (names if others is None else others)
+                                if n not in scanned], meta, kind):
+                row = nonfinite_row(reader.get, name, kind)
+                if row is not None:
+                    rows.append(row)
+            if not layers:
+                continue
+            data.layers += layers
+            data.heat[kind] = heat
+            data.tensors[kind] = len(layers)
+            for name in top_layers(layers, top_k, spiking if kind == "param_grad" else ()):
                 s = reader.get(name, "norm", kind)
                 if s is not None:
                     data.norms.setdefault(kind, {})[name] = s
                 nf = reader.get(name, "nonfinite", kind)
                 if nf is not None:
                     data.nonfinite.setdefault(kind, {})[name] = nf
-                if kind == "update":
-                    r = reader.get(name, "ratio", kind)
+                if kind == "param_grad" and "update" in kinds:
+                    r = reader.get(name, "ratio", "update")
                     if r is not None:
                         data.ratios[name] = r
-        if "param_grad" in kinds:
-            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"))
-        available = [n for k, n in hist_pairs if k == "param_grad"]
-        if not available and hist_pairs:
-            data.hist_kind = hist_pairs[0][0]
-            available = [n for k, n in hist_pairs if k == data.hist_kind]
-        available = _order(available, meta, data.hist_kind)
-        if hist_names:
-            chosen = []
-            for pattern in hist_names:
-                hits = [n for n in available if fnmatch.fnmatchcase(n, pattern)]
-                if not hits:
-                    raise SelectionError(
-                        f"--hist {pattern!r} matches no tensor with histograms; tensors with "
-                        f"histograms: {', '.join(available) or '(none: the run has no hist_bins)'}")
-                chosen += [h for h in hits if h not in chosen]
-        else:
-            weights = [n for n in available if n.endswith("weight")]
-            chosen = (weights or available)[:max_hists]
-        for name in chosen:
-            data.histograms[name] = run.histogram(name, data.hist_kind)
+        if "update" in kinds:
+            for name in _order(names, meta, "update"):
+                row = nonfinite_row(reader.get, name, "update")
+                if row is not None:
+                    rows.append(row)
+        _histograms(run, data, hist_pairs, meta, hist_names, max_hists)
         wanted = ("gns", "gain", "rms", "value")
         if set(wanted) & set(run.stats) or any(is_slice(n) for n in names):
-            health = _SeriesReader(run, wanted, ("param_grad", "grad_output", "param", "update"))
+            charted = [n for by_name in data.norms.values() for n in by_name]
+            order = _order(names, meta, "param_grad")
+            rank = {n: i for i, n in enumerate(charted)}
             data.health = read_health(
-                _order(names, meta, "param_grad"),
-                lambda n, st, k: (reader if st == "norm" else health).get(n, st, k),
-                meta.get("config") or {})
+                sorted(order, key=lambda n: rank.get(n, len(rank))),  # charted layers first
+                _capped(reader, top_k), meta.get("config") or {})
     except sqlite3.Error as err:
         raise _damaged(run, err) from err
     data.anomalies, data.anomaly_source = read_anomalies(run.path)
-    data.derived_anomalies = _derived_anomalies(data)
+    data.derived_anomalies = _derived_anomalies(data.anomalies, rows)
     data.metrics, data.summary = read_metrics(run.path)
-    data.layers = _layers(data)
     if meta.get("status") == "running":
         data.warnings.append("status is 'running': the run is still being written, or its "
                              "writer stopped without closing it; the report shows the steps "
@@ -380,31 +392,86 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
     return data
 
 
+def _capped(reader: _SeriesReader, k: int) -> Callable[[str, str, str], Series | None]:
+    """``reader.get`` that gives at most ``k`` series of each ``(stat, kind)`` (besides the
+    slices of split parameters and the ``<...>`` rows), so that no panel draws more lines."""
+    taken: dict[tuple[str, str], int] = {}
+
+    def get(name: str, stat: str, kind: str) -> Series | None:
+        if not reader.has(name, stat, kind):
+            return None
+        exempt = name.startswith("<") or is_slice(name)
+        if not exempt and taken.get((stat, kind), 0) >= k:
+            return None
+        s = reader.get(name, stat, kind)
+        if s is not None and not exempt:
+            taken[(stat, kind)] = taken.get((stat, kind), 0) + 1
+        return s
+    return get
+
+
+def _histograms(run: Run, data: ReportData, hist_pairs: list[tuple[str, str]],
+                meta: dict[str, Any], hist_names: Sequence[str] | None, max_hists: int) -> None:
+    """The histograms to show: ``hist_names``' matches, else the first weights'."""
+    import fnmatch
+
+    from gradtap.errors import SelectionError
+
+    available = [n for k, n in hist_pairs if k == "param_grad"]
+    if not available and hist_pairs:
+        data.hist_kind = hist_pairs[0][0]
+        available = [n for k, n in hist_pairs if k == data.hist_kind]
+    available = _order(available, meta, data.hist_kind)
+    if hist_names:
+        chosen = []
+        for pattern in hist_names:
+            hits = [n for n in available if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise SelectionError(
+                    f"--hist {pattern!r} matches no tensor with histograms; tensors with "
+                    f"histograms: {', '.join(available) or '(none: the run has no hist_bins)'}")
+            chosen += [h for h in hits if h not in chosen]
+    else:
+        charted = set(data.norms.get(data.hist_kind, {}))
+        weights = [n for n in available if n.endswith("weight")]
+        pool = weights or available
+        chosen = ([n for n in pool if n in charted] + [n for n in pool if n not in charted]
+                  )[:max_hists] if len(pool) > max_hists else pool
+    for name in chosen:
+        data.histograms[name] = run.histogram(name, data.hist_kind)
+
+
 #: The z-score above which the report calls a gradient norm a spike (ZClip's default ``z``).
 SPIKE_Z = 2.5
 
 
-def _spike_events(reader: _SeriesReader, names: list[str]
+def _spike_events(reader: _SeriesReader, names: list[str], steps: Sequence[int]
                   ) -> tuple[list[dict[str, Any]], dict[int, float]]:
     """The steps where some tensor's gradient-norm z-score crossed :data:`SPIKE_Z`, each with
     the first such tensor in backward order (the model's parameter order reversed: the
     gradient nearest the loss is computed first), and the steps a spike rule clipped."""
-    crossed: dict[int, list[tuple[str, float]]] = {}
-    clipped: dict[int, float] = {}
-    for name in reversed(names):
+    all_steps = np.asarray(steps, dtype=np.int64)
+    backward = list(reversed(names))
+    first = np.full(len(all_steps), -1)
+    first_z = np.full(len(all_steps), math.nan)
+    count = np.zeros(len(all_steps), dtype=np.int64)
+    clip = np.ones(len(all_steps))
+    for rank, name in enumerate(backward):
         z = reader.get(name, "zscore", "param_grad")
         if z is not None:
-            for step, value in zip(z[0].tolist(), z[1].tolist(), strict=True):
-                if value > SPIKE_Z:
-                    crossed.setdefault(int(step), []).append((name, float(value)))
+            hit = z[1] > SPIKE_Z
+            pos, zs = np.searchsorted(all_steps, z[0][hit]), z[1][hit]
+            fresh = first[pos] < 0  # no tensor earlier in backward order crossed there
+            first[pos[fresh]] = rank
+            first_z[pos[fresh]] = zs[fresh]
+            count[pos] += 1
         f = reader.get(name, "clip_factor", "param_grad")
         if f is not None:
-            for step, value in zip(f[0].tolist(), f[1].tolist(), strict=True):
-                if value < 1.0:
-                    clipped[int(step)] = min(clipped.get(int(step), 1.0), float(value))
-    spikes = [{"step": step, "name": hits[0][0], "z": hits[0][1], "count": len(hits)}
-              for step, hits in sorted(crossed.items())]
-    return spikes, dict(sorted(clipped.items()))
+            pos = np.searchsorted(all_steps, f[0][f[1] < 1.0])
+            clip[pos] = np.minimum(clip[pos], f[1][f[1] < 1.0])
+    spikes = [{"step": int(all_steps[i]), "name": backward[int(first[i])],
+               "z": float(first_z[i]), "count": int(count[i])} for i in np.flatnonzero(first >= 0)]
+    return spikes, {int(all_steps[i]): float(clip[i]) for i in np.flatnonzero(clip < 1.0)}
 
 
 def _damaged(run: Run, err: Exception) -> StoreError:
@@ -412,13 +479,14 @@ def _damaged(run: Run, err: Exception) -> StoreError:
                       f"read: {err}")
 
 
-def _derived_anomalies(data: ReportData) -> list[dict[str, Any]]:
-    """First step with NaN/Inf elements of each tensor, from the stored ``nonfinite`` counts:
-    by first step; within a step, the tensors of the top-level block holding a module the
-    detector named as an origin at that step first, then output gradients before parameter
-    gradients, in model order."""
+def _derived_anomalies(anomalies: list[dict[str, Any]], rows: list[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+    """First step with NaN/Inf elements of each tensor, from the stored ``nonfinite`` counts
+    (``rows``, in model order per kind): by first step; within a step, the tensors of the
+    top-level block holding a module the detector named as an origin at that step first,
+    then output gradients before parameter gradients, in model order."""
     origins: dict[int, list[str]] = {}
-    for a in data.anomalies:
+    for a in anomalies:
         if isinstance(a.get("step"), int) and isinstance(a.get("module_name"), str):
             origins.setdefault(a["step"], []).append(a["module_name"].split(".")[0])
 
@@ -427,42 +495,9 @@ def _derived_anomalies(data: ReportData) -> list[dict[str, Any]]:
         module = name.rpartition(":")[0] if row["kind"] == "grad_output" else name.rpartition(".")[0]
         return module.split(".")[0] in origins.get(row["step"], [])
 
-    out = []
-    for kind, by_name in data.nonfinite.items():
-        for name, (st, vals) in by_name.items():
-            bad = np.flatnonzero(np.nan_to_num(vals, nan=0.0) > 0)
-            if len(bad):
-                out.append({"step": int(st[bad[0]]), "kind": kind, "name": name,
-                            "steps": int(len(bad)), "max_count": int(np.nanmax(vals[bad])),
-                            "last_step": int(st[bad[-1]])})
     kind_rank = {"grad_output": 0, "param_grad": 1, "update": 2}
-    out.sort(key=lambda a: (a["step"], not at_origin(a),  # stable: model order
-                            kind_rank.get(str(a["kind"]), 9)))
-    return out
-
-
-def _layers(data: ReportData) -> list[LayerSummary]:
-    shapes = {p[0]: p[1] for p in (data.meta.get("model") or {}).get("parameters", [])
-              if isinstance(p, list) and len(p) >= 2}
-    out = []
-    for kind in ("param_grad", "grad_output"):
-        for name, (st, vals) in data.norms.get(kind, {}).items():
-            fin = vals[np.isfinite(vals)]
-            nf = data.nonfinite.get(kind, {}).get(name)
-            nsteps = int((np.nan_to_num(nf[1], nan=0.0) > 0).sum()) if nf is not None else 0
-            nsteps = max(nsteps, int((~np.isfinite(vals)).sum()))
-            ratio = data.ratios.get(name) if kind == "param_grad" else None
-            rfin = ratio[1][np.isfinite(ratio[1]) & (ratio[1] > 0)] if ratio is not None else None
-            out.append(LayerSummary(
-                name=name, kind=kind, shape=shapes.get(name), steps=len(st),
-                first_norm=float(vals[0]) if len(vals) else math.nan,
-                last_norm=float(vals[-1]) if len(vals) else math.nan,
-                median_norm=float(np.median(fin)) if len(fin) else math.nan,
-                max_norm=float(fin.max()) if len(fin) else math.nan,
-                nonfinite_steps=nsteps,
-                last_ratio=float(rfin[-1]) if rfin is not None and len(rfin) else None,
-                median_ratio=float(np.median(rfin)) if rfin is not None and len(rfin) else None,
-            ))
+    out = sorted(rows, key=lambda a: (a["step"], not at_origin(a),  # stable: model order
+                                      kind_rank.get(str(a["kind"]), 9)))
     return out
 
 

@@ -24,7 +24,6 @@ __all__ = ["HealthData", "experts_section", "gain_section", "gns_section", "is_s
 Series = tuple[np.ndarray, np.ndarray]
 _SLICE = re.compile(r"^(.*)\[(\d+)\]$")
 _SPECIAL = ("<all>", "<loss>", "<scaler>")
-_MAX_POINTS = 800
 _MAX_COLS = 240
 
 
@@ -91,18 +90,10 @@ def read_health(names: Iterable[str], get: Callable[[str, str, str], Series | No
 # -- rendering -------------------------------------------------------------------------------
 
 
-def _bucket(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """At most ``_MAX_POINTS`` points (every k-th), keeping non-finite values visible."""
-    if len(x) <= _MAX_POINTS:
-        return x, y
-    idx = np.linspace(0, len(x) - 1, _MAX_POINTS).round().astype(int)
-    return x[idx], y[idx]
-
-
 def _lines(series: dict[str, Series]) -> list[svg.Line]:
     out = []
     for i, (name, (st, vals)) in enumerate(series.items()):
-        x, y = _bucket(st.astype(float), vals)
+        x, y = st.astype(float), vals
         color, dash = svg.color_for(i)
         out.append(svg.Line(name, x, y, color=color, dash=dash,
                             width=2.6 if name == "<all>" else 1.4))
@@ -135,7 +126,7 @@ def loss_section(data: HealthData) -> str:
         return ""
     st, vals = data.loss
     log = _wide(vals)
-    chart = svg.line_chart([svg.Line("loss", *_bucket(st.astype(float), vals))],
+    chart = svg.line_chart([svg.Line("loss", st.astype(float), vals)],
                            plot_id="health-loss", title="Loss per step", log_y=log,
                            y_label="loss" + (" (log)" if log else ""), height=240)
     return _figure(chart, "", "The loss stored with each step (<code>mon.step(loss=...)</code>, "

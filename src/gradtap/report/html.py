@@ -9,27 +9,24 @@ parameter names, metadata, messages) goes through :func:`html.escape`.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from gradtap._tensorops import ewma_init, ewma_update_
 from gradtap.report import health, svg, tables
 from gradtap.report.assets import CSS, JS
 from gradtap.report.data import ReportData, build_report_data
+from gradtap.report.layers import group_rows
+from gradtap.report.reduce import ewma_band
 from gradtap.store import Run
 
 __all__ = ["REPORT_NAME", "render_html", "write_report"]
 
 #: File name of the report inside a run directory.
 REPORT_NAME = "report.html"
-_MAX_POINTS = 800  # line charts bucket longer runs
-_MAX_COLS = 240  # heatmap columns
 
 
 def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
@@ -64,6 +61,7 @@ def render_html(data: ReportData | Run | str | os.PathLike[str]) -> str:
         data = build_report_data(data)
     sections = [
         ("overview", "Overview", tables.overview(data)),
+        ("top", "Layers that matter", tables.top_table(data)),
         ("loss", "Loss", health.loss_section(data.health)),
         ("metrics", "Training", _metrics(data)),
         ("norms", "Gradient norms", _norms(data)),
@@ -105,19 +103,6 @@ def render_html(data: ReportData | Run | str | os.PathLike[str]) -> str:
 # -- chart helpers ---------------------------------------------------------------------------
 
 
-def _bucket(x: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """At most ``n`` points: each bucket's max, NaN when any value in it is non-finite."""
-    if len(x) <= n:
-        return x, y
-    edges = np.linspace(0, len(x), n + 1).astype(int)
-    xs, ys = [], []
-    for a, b in zip(edges[:-1], edges[1:]):
-        seg = y[a:b]
-        xs.append(x[a])
-        ys.append(math.nan if not np.isfinite(seg).all() else float(seg.max()))
-    return np.asarray(xs), np.asarray(ys)
-
-
 def _legend(plot_id: str, names: Sequence[str], colors: Sequence[tuple[str, str]] | None = None) -> str:
     items = []
     for i, name in enumerate(names):
@@ -138,26 +123,6 @@ def _empty(message: str) -> str:
     return f'<p class="empty">{escape(message)}</p>'
 
 
-def _ewma_band(values: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """The EWMA mean and std of a series (the Monitor's formula), skipping non-finite values.
-
-    Before the first finite value both are NaN; a non-finite value leaves the EWMA as it was.
-    """
-    m = np.full(len(values), math.nan)
-    s = np.full(len(values), math.nan)
-    state: tuple[torch.Tensor, torch.Tensor] | None = None
-    for i, g in enumerate(values.tolist()):
-        if math.isfinite(g):
-            value = torch.tensor(g, dtype=torch.float64)
-            if state is None:
-                state = ewma_init(value)
-            else:
-                ewma_update_(*state, value, beta)
-        if state is not None:
-            m[i], s[i] = state[0].item(), math.sqrt(state[1].item())
-    return m, s
-
-
 def _band_domain(*arrays: np.ndarray) -> tuple[float, float]:
     both = np.concatenate([a[np.isfinite(a)] for a in arrays])
     hi = float(both.max()) if len(both) else 1.0
@@ -176,7 +141,7 @@ def _metrics(data: ReportData) -> str:
         return ""
     out = []
     for i, (name, (st, vals)) in enumerate(data.metrics.items()):
-        x, y = _bucket(st.astype(float), vals, _MAX_POINTS)
+        x, y = st.astype(float), vals
         pos = np.isfinite(y) & (y > 0)
         log = bool(pos.all() and len(y) and y[pos].max() / y[pos].min() > 20)
         pid = f"metric-{i}"
@@ -195,10 +160,7 @@ def _norms(data: ReportData) -> str:
         if not series:
             continue
         names = list(series)
-        lines = []
-        for name in names:
-            x, y = _bucket(series[name][0].astype(float), series[name][1], _MAX_POINTS)
-            lines.append(svg.Line(name, x, y))
+        lines = [svg.Line(name, series[name][0].astype(float), series[name][1]) for name in names]
         pid = f"norms-{kind}"
         spikes = [(float(a["step"]), f"spike at step {a['step']} in {a['module_name']!r} "
                    f"({a['where']})") for a in data.anomalies if a.get("kind") == "spike"]
@@ -210,13 +172,14 @@ def _norms(data: ReportData) -> str:
                          "and those a spike rule clipped")
             spikes += [(float(e["step"]), f"step {e['step']}: {e['name']} spiked first "
                         f"(z = {e['z']:.1f}; {e['count']} tensor(s) above z = 2.5)")
-                       for e in data.spikes]
+                       for e in tables.largest_spikes(data)]
             spikes += [(float(step), f"step {step}: a spike rule clipped (smallest factor "
-                        f"{factor:.3g})") for step, factor in data.clipped.items()]
+                        f"{factor:.3g})")
+                       for step, factor in list(data.clipped.items())[:tables.MAX_EVENTS]]
         chart = svg.line_chart(lines, plot_id=pid, title=f"L2 norm of {label} per step",
                                log_y=True, y_label="L2 norm (log)", events=spikes)
         out.append(f"<h3>{escape(label)}</h3>" + _figure(
-            chart, _legend(pid, names),
+            chart, _legend(pid, names), _which(data, kind, len(names)) +
             "L2 norm per step, log scale. Hover a name to highlight its line; red triangles "
             "mark steps with NaN/Inf" + (", dashed orange lines " + "; ".join(marks) + "."
                                          if marks else ".")))
@@ -224,40 +187,36 @@ def _norms(data: ReportData) -> str:
                                   "did not include 'norm').")
 
 
+def _which(data: ReportData, kind: str, shown: int) -> str:
+    """The caption's first words when a chart shows only the layers that matter."""
+    total = data.tensors.get(kind, shown)
+    if total <= shown:
+        return ""
+    return (f"The {shown} of {total} tensors that matter most (non-finite, spiking, most "
+            "clipped, largest: see the table of the layers that matter); find any other in the "
+            "layer table's search. ")
+
+
 def _heatmaps(data: ReportData) -> str:
     out = []
     for kind, label in (("param_grad", "parameter gradients"), ("grad_output", "output gradients")):
-        series = data.norms.get(kind)
-        if not series:
+        heat = data.heat.get(kind)
+        if heat is None or not heat.names or not heat.grid.shape[1]:
             continue
-        names = list(series)
-        steps = np.asarray(sorted({int(s) for st, _ in series.values() for s in st}))
-        if not len(steps):
-            continue
-        col = np.searchsorted(steps, steps)
-        grid = np.full((len(names), len(steps)), -1.0)  # -1: not recorded (grey)
-        for r, name in enumerate(names):
-            st, vals = series[name]
-            grid[r, np.searchsorted(steps, st)] = vals
-        edges = None
-        cols = steps.astype(float)
-        if len(steps) > _MAX_COLS:
-            b = np.linspace(0, len(steps), _MAX_COLS + 1).astype(int)
-            new = np.empty((len(names), _MAX_COLS))
-            for c, (a, z) in enumerate(zip(b[:-1], b[1:])):
-                block = grid[:, a:z]
-                new[:, c] = np.where(np.isfinite(block).all(1), block.max(1), math.nan)
-            edges = [(float(steps[a]), float(steps[z - 1])) for a, z in zip(b[:-1], b[1:])]
-            cols = np.array([e[0] for e in edges])
-            grid = new
-        del col
-        chart = svg.heatmap(names, cols.tolist(), grid, plot_id=f"heatmap-{kind}",
+        rows, grid = group_rows(heat)
+        edges = heat.edges
+        cols = [e[0] for e in edges]
+        wide = any(a != b for a, b in edges)
+        grouped = len(rows) < len(heat.names)
+        chart = svg.heatmap(rows, cols, grid, plot_id=f"heatmap-{kind}",
                             title=f"Gradient norm of {label}, layers by steps",
-                            value_label="L2 norm", col_edges=edges)
+                            value_label="L2 norm", col_edges=edges if wide else None)
         out.append(f"<h3>{escape(label)}</h3>" + _figure(
             chart, caption="Colour is log10 of the L2 norm; red cells hold NaN/Inf; grey cells "
                            "were not recorded (or are exactly zero)."
-                           + (" Columns cover several steps (the max is shown)." if edges else "")))
+                           + (" Columns cover several steps (the max is shown)." if wide else "")
+                           + (f" Rows cover several of the {len(heat.names)} tensors, "
+                              "consecutive in model order (the max is shown)." if grouped else "")))
     return "".join(out)
 
 
@@ -296,16 +255,13 @@ def _ewma(data: ReportData) -> str:
     beta = max(0.5, min(beta, 1 - 10 / n)) if n > 20 else min(beta, 0.5)
     cells = []
     for i, (name, (st, vals)) in enumerate(series.items()):
-        m, s = _ewma_band(vals, beta)
+        m, s = ewma_band(vals, beta)
         x = st.astype(float)
-        xb, vb = _bucket(x, vals, _MAX_POINTS)
-        idx = np.linspace(0, len(x) - 1, min(len(x), _MAX_POINTS)).round().astype(int) if len(x) else []
         color, _ = svg.color_for(i)
         chart = svg.line_chart(
-            [svg.Line(f"{name} (per step)", xb, vb, color="#9aa4b1", width=0.8, opacity=0.8),
-             svg.Line(f"{name} (EWMA mean)", x[idx], m[idx], color=color, width=2.0)],
-            bands=[svg.Band(f"{name} (EWMA mean ± std)", x[idx],
-                            np.maximum(m[idx] - s[idx], 0.0), m[idx] + s[idx],
+            [svg.Line(f"{name} (per step)", x, vals, color="#9aa4b1", width=0.8, opacity=0.8),
+             svg.Line(f"{name} (EWMA mean)", x, m, color=color, width=2.0)],
+            bands=[svg.Band(f"{name} (EWMA mean ± std)", x, np.maximum(m - s, 0.0), m + s,
                             color=color, opacity=0.22)],
             y_domain=_band_domain(vals, m + s),
             plot_id=f"ewma-{i}", title=f"EWMA of the gradient norm of {name}",
@@ -325,13 +281,11 @@ def _ratios(data: ReportData) -> str:
     if not data.ratios:
         return _empty("No update ratios: add kinds=('param_grad', 'update') to the Monitor.")
     names = list(data.ratios)
-    lines = []
-    for name in names:
-        x, y = _bucket(data.ratios[name][0].astype(float), data.ratios[name][1], _MAX_POINTS)
-        lines.append(svg.Line(name, x, y))
+    lines = [svg.Line(name, data.ratios[name][0].astype(float), data.ratios[name][1])
+             for name in names]
     chart = svg.line_chart(lines, plot_id="ratios", title="Update-to-weight ratio per step",
                            log_y=True, y_label="‖Δθ‖ / ‖θ‖ (log)", hlines=[(1e-3, "1e-3")])
-    return _figure(chart, _legend("ratios", names),
+    return _figure(chart, _legend("ratios", names), _which(data, "param_grad", len(names)) +
                    "Norm of each parameter's change in one step divided by its norm, log scale. "
                    "Around 1e-3 is a common rule of thumb; far above, the layer moves too fast; "
                    "far below, it barely learns. Gaps are skipped steps (zero update).")

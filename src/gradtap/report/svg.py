@@ -18,9 +18,11 @@ from html import escape
 import numpy as np
 
 from gradtap._text import format_number
+from gradtap.report.reduce import band_envelope, envelope
 
 __all__ = [
-    "PALETTE", "Band", "Line", "color_for", "heatmap", "line_chart", "ridgelines", "viridis",
+    "PALETTE", "Band", "Line", "color_for", "heatmap", "line_chart", "ridgelines", "tick_labels",
+    "viridis",
 ]
 
 #: Categorical colours (Tableau 10), cycled with dash patterns beyond ten series.
@@ -50,14 +52,43 @@ def viridis(t: float) -> str:
 
 
 def _tick_label(v: float) -> str:
-    if v == 0:
-        return "0"
+    """The shortest label that reads back as ``v`` exactly: plain digits from 0.01 to
+    below 10^4 (``0.25``, ``1500``), ``mantissa e exponent`` outside (``1.5e-4``, ``2.5e4``).
+
+    Example:
+        >>> [_tick_label(v) for v in (1.5e-4, 2.5e-5, 7.5e-3, 0.25, 15000, 25000, 1e5)]
+        ['1.5e-4', '2.5e-5', '7.5e-3', '0.25', '1.5e4', '2.5e4', '1e5']
+    """
+    v = float(v)
+    if v == 0 or not math.isfinite(v):
+        return "0" if v == 0 else f"{v}"
     a = abs(v)
+    for digits in range(16):
+        text = f"{v:.{digits}e}"
+        if float(text) == v:
+            break
+    mant, _, exp = text.partition("e")
     if a >= 1e4 or a < 1e-2:
-        e = math.floor(math.log10(a))
-        m = v / 10**e
-        return f"1e{e}" if abs(m - 1) < 1e-9 else f"{m:.0f}e{e}"
-    return f"{v:g}"
+        return f"{mant}e{int(exp)}"
+    return np.format_float_positional(float(text), trim="-")
+
+
+def tick_labels(values: Sequence[float]) -> list[str]:
+    """Labels of tick values, no two alike: each value rounded to the fewest significant
+    digits (at least 1) that keep every label distinct, then :func:`_tick_label`.
+
+    Example:
+        >>> tick_labels([1.04, 1.12, 1.31])
+        ['1', '1.1', '1.3']
+    """
+    values = [float(v) for v in values]
+    labels = [_tick_label(v) for v in values]
+    for digits in range(1, 17):
+        rounded = [float(f"{v:.{digits - 1}e}") if v else 0.0 for v in values]
+        labels = [_tick_label(v) for v in rounded]
+        if len(set(labels)) == len(set(values)):
+            break
+    return labels
 
 
 # -- scales --------------------------------------------------------------------------------------
@@ -81,9 +112,10 @@ class _Scale:
         if self.log:
             e0, e1 = math.floor(self.lo), math.ceil(self.hi)
             step = max(1, math.ceil((e1 - e0) / 7))
-            out = [10.0**e for e in range(e0, e1 + 1, step)]
+            # float("2e-5"), not 2 * 10.0**-5: the tick is the number its label reads
+            out = [float(f"1e{e}") for e in range(e0, e1 + 1, step)]
             if e1 - e0 <= 2:
-                out = sorted({m * 10.0**e for e in range(e0 - 1, e1 + 1) for m in (1, 2, 5)})
+                out = sorted({float(f"{m}e{e}") for e in range(e0 - 1, e1 + 1) for m in (1, 2, 5)})
             return [t for t in out if self.lo - 1e-9 <= math.log10(t) <= self.hi + 1e-9]
         return _nice_ticks(self.lo, self.hi, n)
 
@@ -189,6 +221,9 @@ def line_chart(
 
     Non-finite points are left out of the line (a gap) and drawn as red triangles along the
     top edge, so a NaN step is visible at a glance; on a log scale values ``<= 0`` are gaps.
+    A series longer than the plot is wide in pixels keeps, per pixel column, its minimum,
+    maximum and first non-finite point (:func:`gradtap.report.reduce.envelope`), and a band
+    its column's lowest ``lo`` and highest ``hi``: a one-step spike stays visible.
 
     Args:
         lines: the series; colours default to the palette in order.
@@ -204,6 +239,13 @@ def line_chart(
         y_domain: fixed value range instead of the data's.
     """
     f = _Frame(width, height, left=64, right=16, top=14, bottom=40)
+    columns = width - f.left - f.right  # one per pixel: min/max/first non-finite of each
+    lines = [ln if len(ln.x) <= columns else Line(
+        ln.name, *envelope(ln.x, ln.y, columns), color=ln.color, dash=ln.dash, width=ln.width,
+        opacity=ln.opacity, markers=ln.markers) for ln in lines]
+    bands = [b if len(b.x) <= columns else Band(
+        b.name, *band_envelope(b.x, b.lo, b.hi, columns), color=b.color, opacity=b.opacity)
+        for b in bands]
     xs = [ln.x for ln in lines] + [b.x for b in bands]
     allx = np.concatenate([np.asarray(x, dtype=float) for x in xs]) if xs else np.zeros(0)
     ally = np.concatenate([np.asarray(ln.y, dtype=float) for ln in lines]
@@ -515,9 +557,9 @@ def ridgelines(
     def bx(j: float) -> float:
         return f.left + (j - j0) / nb * plot_w
 
-    for j in np.unique(np.linspace(j0, j1, 6).round().astype(int)):
-        e = float(edges[j])
-        label = "0" if abs(e) < zero_below or e == 0 else _tick_label(float(f"{e:.1g}"))
+    where = np.unique(np.linspace(j0, j1, 6).round().astype(int))
+    shown = [0.0 if abs(float(edges[j])) < zero_below else float(edges[j]) for j in where]
+    for j, label in zip(where, tick_labels(shown), strict=True):
         parts.append(f'<line x1="{bx(j):.1f}" x2="{bx(j):.1f}" y1="{f.top}" y2="{bottom + 4}" '
                      f'class="gt-grid"/><text x="{bx(j):.1f}" y="{bottom + 16}" '
                      f'text-anchor="middle">{label}</text>')

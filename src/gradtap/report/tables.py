@@ -9,6 +9,7 @@ that comes from user code (module and parameter names, metadata, messages) goes 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Sequence
@@ -19,8 +20,9 @@ import numpy as np
 
 from gradtap._text import format_number
 from gradtap.report.data import ReportData
+from gradtap.report.layers import Heat
 
-__all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview"]
+__all__ = ["anomalies", "ewma_state", "layer_table", "metadata", "overview", "top_table"]
 
 _MORE = ' class="more"'
 
@@ -130,22 +132,87 @@ def anomalies(data: ReportData) -> str:
 
 
 def layer_table(data: ReportData) -> str:
-    """One row per stored tensor: its norms over the run, NaN/Inf steps, update ratio."""
+    """One row per stored tensor: its norms over the run, NaN/Inf steps, update ratio; a
+    search box above it filters the rows by name (the page's script)."""
     if not data.layers:
         return ""
     rows = []
+    codes = {kind: _heat_codes(heat) for kind, heat in data.heat.items()}
     for ly in data.layers:
         bad = ' class="bad"' if ly.nonfinite_steps else ""
+        code, lo, hi, first, last = codes.get(ly.kind, {}).get(ly.name, ("", 0, 0, 0, 0))
+        heat = (f' data-heat="{code}" data-lo="{lo:.4g}" data-hi="{hi:.4g}" '
+                f'data-steps="{first:g}–{last:g}"' if code else "")
         rows.append(
-            f"<tr{bad}><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
+            f"<tr{bad}{heat}><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
             f"<td>{escape(_shape(ly.shape))}</td><td>{ly.steps}</td>"
             f"<td>{_value(ly.first_norm)}</td><td>{_value(ly.last_norm)}</td>"
             f"<td>{_value(ly.median_norm)}</td><td>{_value(ly.max_norm)}</td>"
-            f"<td>{ly.nonfinite_steps}</td><td>{_value(ly.median_ratio)}</td></tr>")
-    return ('<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
+            f"<td>{_value(ly.peak)}</td><td>{ly.nonfinite_steps}</td><td>{ly.clipped_steps}</td>"
+            f"<td>{_value(ly.median_ratio)}</td></tr>")
+    n = len(data.layers)
+    return ('<p class="search"><input type="search" id="layer-search" placeholder="find a '
+            f'layer by name" aria-label="find a layer by name"> <span id="layer-count">{n} of '
+            f"{n} tensors</span> <span class=\"muted\">Click a row for its norm over the run "
+            "(each point the largest of its steps, log scale; red: NaN/Inf).</span></p>"
+            '<table class="data" id="layer-table"><thead><tr><th>name</th><th>kind</th>'
             "<th>shape</th><th>steps</th><th>first norm</th><th>last norm</th><th>median norm</th>"
-            "<th>max norm</th><th>NaN/Inf steps</th><th>median update ratio</th></tr></thead>"
+            "<th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th><th>clipped steps</th>"
+            "<th>median update ratio</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def _heat_codes(heat: Heat) -> dict[str, tuple[str, float, float, float, float]]:
+    """Each heatmap row as base64 bytes for the page's script to draw on demand: 0 nothing
+    recorded (or not positive), 1-253 log10 of the value between the kind's smallest and
+    largest (``lo``, ``hi``), 254 NaN/Inf; with the first and last step."""
+    grid = heat.grid
+    pos = grid[np.isfinite(grid) & (grid > 0)]
+    if not len(pos) or not len(heat.edges):
+        return {}
+    lo, hi = math.log10(float(pos.min())), math.log10(float(pos.max()))
+    span = hi - lo if hi > lo else 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = 1 + np.round((np.log10(grid) - lo) / span * 252)
+    code = np.where(np.isfinite(grid) & (grid > 0), scaled, 0)
+    code = np.where(np.isnan(grid), 254, code).clip(0, 254).astype(np.uint8)
+    first, last = heat.edges[0][0], heat.edges[-1][1]
+    return {name: (base64.b64encode(code[i].tobytes()).decode("ascii"), lo, hi, first, last)
+            for i, name in enumerate(heat.names)}
+
+
+def top_table(data: ReportData) -> str:
+    """The layers the charts show when a kind has more tensors than they draw, and why."""
+    chosen = [ly for ly in data.layers if ly.why]
+    if not chosen:
+        return ""
+    counts = ", ".join(f"{len(data.norms.get(k, {}))} of {n} {k}" for k, n in data.tensors.items())
+    rows = "".join(
+        f"<tr><td><code>{escape(ly.name)}</code></td><td>{escape(ly.kind)}</td>"
+        f"<td>{escape(', '.join(ly.why))}</td><td>{_value(ly.max_norm)}</td>"
+        f"<td>{_value(ly.peak)}</td><td>{ly.nonfinite_steps}</td><td>{ly.clipped_steps}</td></tr>"
+        for ly in chosen)
+    return (f"<p>The charts below show the layers that matter ({escape(counts)} tensors): "
+            "those that held NaN/Inf, spiked (a norm more than 3x both its neighbours, the "
+            "largest first, or first to cross the spike threshold), were clipped most, or had "
+            "the largest norms, taken in turn from each list. Spike × is the largest factor by "
+            "which a norm exceeds both its neighbours' (about 1 for a smooth series). Every "
+            'tensor is in the <a href="#layers">layer table</a>: search it by name, click a '
+            'row for its norm over the run.</p><table class="data" id="top-table"><thead><tr>'
+            "<th>name</th><th>kind</th>"
+            "<th>why</th><th>max norm</th><th>spike ×</th><th>NaN/Inf steps</th>"
+            f"<th>clipped steps</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
+#: Spike steps shown at most, in the table and as markers on the norm chart.
+MAX_EVENTS = 100
+
+
+def largest_spikes(data: ReportData) -> list[dict[str, Any]]:
+    """At most :data:`MAX_EVENTS` spike steps, those with the largest z, by step."""
+    if len(data.spikes) <= MAX_EVENTS:
+        return data.spikes
+    return sorted(sorted(data.spikes, key=lambda e: -e["z"])[:MAX_EVENTS], key=lambda e: e["step"])
 
 
 def spikes(data: ReportData) -> str:
@@ -158,16 +225,21 @@ def spikes(data: ReportData) -> str:
         rows = "".join(
             f"<tr><td>{e['step']}</td><td><code>{escape(e['name'])}</code></td>"
             f"<td>{e['z']:.2f}</td><td>{e['count']}</td>"
-            f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in data.spikes)
+            f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in largest_spikes(data))
+        if len(data.spikes) > MAX_EVENTS:
+            out += (f'<p class="muted">The {MAX_EVENTS} of {len(data.spikes)} spike steps with '
+                    "the largest z, by step.</p>")
         out += ("<p>Steps where a gradient norm's z-score against its own history exceeded "
                 "2.5, with the first tensor (in backward order) to cross it: where the spike "
                 'started.</p><table class="data" id="spike-table"><thead><tr><th>step</th>'
                 "<th>first layer to spike</th><th>z</th><th>tensors above 2.5</th>"
                 f"<th>smallest clip factor</th></tr></thead><tbody>{rows}</tbody></table>")
     if data.clipped:
-        steps = ", ".join(f"{step} ({factor:.3g})" for step, factor in data.clipped.items())
+        steps = ", ".join(f"{step} ({factor:.3g})"
+                          for step, factor in list(data.clipped.items())[:MAX_EVENTS])
+        more = f" and {len(data.clipped) - MAX_EVENTS} more" if len(data.clipped) > MAX_EVENTS else ""
         out += (f"<p>A spike rule clipped at {len(data.clipped)} step(s) (smallest factor): "
-                f"{escape(steps)}.</p>")
+                f"{escape(steps)}{more}.</p>")
     return out
 
 
