@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml constraints.txt
 	@! $(PY) -m pip list 2>/dev/null | grep -i '^nvidia-' || (echo "nvidia-* packages found in .venv" && false)
 	touch $(STAMP)
 
+# Two pytest workers (pytest-xdist), one per core of the project machines; a worker that runs
+# out of tests takes some from the other's queue. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_XDIST)
 
 # The compatibility job: the whole suite on the newest torch this machine has (with
 # torchvision, whose vision-model tests run only there) and on the declared floor. Each venv
@@ -39,7 +44,7 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
 test-compat: $(COMPAT_STAMPS)
 	@for v in $(COMPAT); do \
 	  echo "== torch $$v"; start=$$(date +%s); \
-	  GRADTAP_HYPOTHESIS_PROFILE=long .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider || exit 1; \
+	  GRADTAP_HYPOTHESIS_PROFILE=long .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_XDIST) || exit 1; \
 	  echo "== torch $$v: $$(( $$(date +%s) - start )) s"; \
 	done
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 # The tests run many tiny tensor ops; one intra-op thread is faster for those and keeps the
-# suite steady when other processes share the two cores.
+# suite steady when other processes share the two cores (``make test`` runs two pytest
+# workers, one per core). For the same reason the processes the tests start (benchmarks'
+# timing children, scripts under ``gradtap watch``) take one thread too, and torch.compile's
+# inductor compiles its kernels in this process instead of starting a pool of compile workers
+# (both read from the environment: at a process's start, and when inductor is imported).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 #: Why the CUDA parameter of ``device`` is skipped here (only ever because there is no GPU).
 NO_CUDA = "no CUDA GPU: torch.cuda.is_available() is false (run pytest -m cuda on a GPU machine)"
