@@ -277,7 +277,7 @@ def _own_base(rec: Recorder, call: Call, t: Tensor, bypassed: Any) -> Tensor | N
     node of its own (read at the view's own node, see :class:`ViewGroup`); else None."""
     if bypassed is not None or rec.rewrite_out is not None or not t._is_view():
         return None
-    base = t._base
+    base: Any = t._base
     fn = base.grad_fn
     return base if fn is not None and fn._sequence_nr() >= call.start else None
 
@@ -289,7 +289,7 @@ def _guard(rec: Recorder, call: Call, base: Tensor, group: ViewGroup,
     if not members:
         return
     rec_ref = weakref.ref(rec)
-    nodes = [t.grad_fn for t, _ in members]
+    nodes: list[Any] = [t.grad_fn for t, _ in members]
     group.exact = mark_boundary(base, guard_sink(rec_ref, group))
     if not group.exact:
         return
