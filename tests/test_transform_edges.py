@@ -92,6 +92,20 @@ def test_clip_norm_update_many_equals_update_per_tensor_exactly(shapes, dtypes, 
         assert torch.equal(got, _clip_by_hand(x, max_norm))
 
 
+def test_clip_norm_one_by_one_and_together_agree_on_every_device(device):
+    """Large tensors too (several chunks of the foreach kernels), with mixed dtypes."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [(300, 700), (5,), (), (0, 3), (70000,), (64, 64)]
+    grads = [(torch.randn(s, generator=g) * 3).to(device=device, dtype=d)
+             for s, d in zip(sizes, [torch.float32, torch.float64, torch.float32,
+                                     torch.bfloat16, torch.bfloat16, torch.float32])]
+    t = gt.clip_norm(0.5)
+    many, _ = t.update_many(grads, [()] * len(grads), [None] * len(grads))
+    for x, got in zip(grads, many, strict=True):
+        assert torch.equal(got, t.update(x, (), None)[0])
+        torch.testing.assert_close(got, _clip_by_hand(x, 0.5))
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 2))
