@@ -83,19 +83,25 @@ def boundary_sink(rec_ref: RecorderRef, call: Call, path: str, credit: Any
                 check_like(r, g, f"rewrite of grad_output {path!r} of {name!r}")
                 g = r
         call.grad_outputs[path] = accumulate(call.grad_outputs[path], g)
-        if isinstance(credit, str):
-            call.grad_inputs[credit] = accumulate(call.grad_inputs[credit], g)
-        elif credit is not None and credit[0] == PARAM:
-            call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
-        elif credit is not None:
-            nodes, keys = credit
-            for key, gi in zip(keys, _through(nodes, g)):
-                if key is not None:
-                    call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
+        _credit(call, credit, g)
         rec.fired(call)
         return g
 
     return sink
+
+
+def _credit(call: Call, credit: Any, g: Tensor) -> None:
+    """Credit ``g`` (an output's gradient) to what the boundary node bypassed: an input key,
+    ``(PARAM, name)``, or the call's view ops with the input key of each edge of the last."""
+    if isinstance(credit, str):
+        call.grad_inputs[credit] = accumulate(call.grad_inputs[credit], g)
+    elif credit is not None and credit[0] == PARAM:
+        call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
+    elif credit is not None:
+        nodes, keys = credit
+        for key, gi in zip(keys, _through(nodes, g)):
+            if key is not None:
+                call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
 
 
 class ViewGroup:
@@ -149,7 +155,7 @@ def guard_sink(rec_ref: RecorderRef, group: ViewGroup) -> Callable[[Tensor], Ten
     return sink
 
 
-def view_sink(rec_ref: RecorderRef, call: Call, path: str, slot: ViewSlot
+def view_sink(rec_ref: RecorderRef, call: Call, path: str, slot: ViewSlot, credit: Any
               ) -> Callable[[Tensor], Tensor]:
     """The backward of the boundary node of view output ``path`` of a :class:`ViewGroup`.
 
@@ -157,7 +163,8 @@ def view_sink(rec_ref: RecorderRef, call: Call, path: str, slot: ViewSlot
     reached the base after the view's boundary, also when the view itself was never used (a
     region of zeros) and including its siblings' overlapping uses. The slot is instead what
     the view's own node received, plus its region of what the guard saw (None when neither);
-    without a guard, the region as given.
+    without a guard, the region as given. ``credit`` is as for :func:`boundary_sink` (the
+    bypassed view ops of a view of a tensor made before the call).
     """
 
     def sink(g: Tensor) -> Tensor:
@@ -172,6 +179,8 @@ def view_sink(rec_ref: RecorderRef, call: Call, path: str, slot: ViewSlot
         else:
             value = g
         call.grad_outputs[path] = accumulate(call.grad_outputs[path], value)
+        if value is not None:
+            _credit(call, credit, value)
         rec.fired(call)
         return g
 

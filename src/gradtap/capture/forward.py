@@ -226,7 +226,7 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         if base is not None:
             _, group, members = groups.setdefault(id(base), (base, ViewGroup(), []))
             slot = ViewSlot(group, Region(t, base))
-            sink = view_sink(weakref.ref(rec), call, path, slot)
+            sink = view_sink(weakref.ref(rec), call, path, slot, bypassed)
         else:
             sink = boundary_sink(weakref.ref(rec), call, path, bypassed)
         if mark_boundary(t, sink):
@@ -273,13 +273,16 @@ def _aliases(rec: Recorder, call: Call, output: Any, outs: list[tuple[str, Tenso
 
 
 def _own_base(rec: Recorder, call: Call, t: Tensor, bypassed: Any) -> Tensor | None:
-    """The base of ``t`` where ``t`` is a view of a tensor the call made and gets a boundary
-    node of its own (read at the view's own node, see :class:`ViewGroup`); else None."""
-    if bypassed is not None or rec.rewrite_out is not None or not t._is_view():
+    """The base of ``t`` where ``t`` is a view that gets a boundary node of its own, of a
+    tensor the call made or (its view ops bypassed) of one made before it: read at the view's
+    own node (see :class:`ViewGroup`). None otherwise (with a listener's rewrites, too)."""
+    if rec.rewrite_out is not None or not t._is_view() or isinstance(bypassed, str):
         return None
     base: Any = t._base
     fn = base.grad_fn
-    return base if fn is not None and fn._sequence_nr() >= call.start else None
+    if fn is None:
+        return None
+    return base if bypassed is not None or fn._sequence_nr() >= call.start else None
 
 
 def _guard(rec: Recorder, call: Call, base: Tensor, group: ViewGroup,
