@@ -289,12 +289,12 @@ class Detector:
 
     def _check_unscreened_backward(self) -> None:
         """The parameter gradients' check when no backward reached a screened tensor this step
-        (none ran, only a loss on an intermediate, or with ``spike`` submodules called without
-        the model): once a step."""
+        (none ran, only a loss on an intermediate, or a model used through methods that call
+        no child, only its own parameters): once a step."""
         screen = self._screen
         if screen is None or screen.backward_checked:
             return
-        if screen.calls or (self._param_spikes is not None and self._param_spikes.any_grad()):
+        if screen.calls or screen.params.any_grad():
             suspects = screen.check(backward=True, stale=True)
             self._after_check(suspects, [])
 

@@ -62,7 +62,9 @@ class Localizer:
             failure = err
         finally:
             watch.remove()
-        found = watch.found
+        # One event per step: the first finding (later top-level calls of a model used
+        # through its methods replay what arrived from it).
+        found = watch.found[:1]
         first = suspects[0]
         if found and first.where == "forward" and (found[0].anomaly.where != "forward"
                                                    or found[0].anomaly.module_name == LOSS):

@@ -61,6 +61,11 @@ class ParamGrads:
         # id(param) -> (its .grad then, as a weak reference, its version then, its sum)
         self._sums: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
 
+    def any_grad(self) -> bool:
+        """Whether a parameter has a gradient now."""
+        return any(p.grad is not None for group in self.groups for _, p in group) or any(
+            p.grad is not None for _, p in self.large)
+
     def sum_grad(self, p: Tensor) -> None:
         """Reduce ``p.grad`` as soon as it is accumulated (a large parameter's hook)."""
         grad = p.grad

@@ -1,6 +1,7 @@
 """Replaying a step the screen found bad, for the per-call watch alone, to find its origin.
 
-:func:`replay` runs this step's calls of the model again, in order, with the same arguments,
+:func:`replay` runs this step's top-level calls (of the model, or of its children called
+outside it) again, in order, with the same arguments,
 RNG and autocast state, and for the calls of that backward the backward too, with the very
 gradients that reached the model's outputs. Buffers (BatchNorm's running statistics) and RNG
 state are restored afterwards, parameter ``.grad`` is not touched (the replay uses
@@ -35,32 +36,47 @@ def replay(screen: Screen, owner: Listener, backward: list[RootCall]) -> None:
     Parameter ``.grad`` is left alone, and buffers and RNG state are restored afterwards.
     """
     in_backward = {id(c) for c in backward}
+    # Top-level calls of the model's children (a model used through its methods) feed each
+    # other: all forwards first, then their backwards in reverse order, as the step ran them.
+    # Calls of the model itself are independent: each one's backward right after it.
+    chained = any(call.name for call in screen.calls)
     with ExitStack() as stack:
         stack.enter_context(replaying(owner))
         stack.enter_context(buffers_restored(screen.model))
         stack.callback(RngState(screen.cuda).restore)
+        waiting: list[tuple[RootCall, Any, Any]] = []
         for call in screen.calls:
             if call.args is None:
                 continue
             call.rng.restore()
             args, kwargs = _detached((call.args, call.kwargs))
             with call.autocast.entered(), torch.enable_grad():
-                output = screen.model(*args, **kwargs)
+                output = call.module(*args, **kwargs)
             if id(call) not in in_backward or not call.grads:
                 continue
-            outs = dict(flatten_tensors(output, "output"))
-            pairs = [(outs[k], g) for k, g in call.grads.items()
-                     if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
-            if not pairs:
-                continue
-            leaves: list[Tensor] = [p for p in screen.model.parameters() if p.requires_grad]
-            leaves += [t for _, t in flatten_tensors((args, kwargs), "a") if t.requires_grad]
-            with torch.enable_grad():
-                if leaves:  # autograd.grad: nothing is accumulated into .grad
-                    torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
-                                        allow_unused=True)
-                else:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if chained:
+                waiting.append((call, output, (args, kwargs)))
+            else:
+                _backward(screen, call, output, (args, kwargs))
+        for call, output, inputs in reversed(waiting):
+            _backward(screen, call, output, inputs)
+
+
+def _backward(screen: Screen, call: RootCall, output: Any, inputs: Any) -> None:
+    """The replayed call's backward, from the gradients that reached its outputs."""
+    outs = dict(flatten_tensors(output, "output"))
+    pairs = [(outs[k], g) for k, g in call.grads.items()
+             if k in outs and outs[k].requires_grad and outs[k].shape == g.shape]
+    if not pairs:
+        return
+    leaves: list[Tensor] = [p for p in screen.model.parameters() if p.requires_grad]
+    leaves += [t for _, t in flatten_tensors(inputs, "a") if t.requires_grad]
+    with torch.enable_grad():
+        if leaves:  # autograd.grad: nothing is accumulated into .grad
+            torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                allow_unused=True)
+        else:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _detached(obj: Any) -> Any:

@@ -10,6 +10,10 @@ A healthy step should cost little, so the screen keeps no records and walks no g
   that is masked before it reaches a parameter gradient (a ReLU after a sqrt at 0), at a cost
   per call. A small tensor is kept by reference and reduced with the others in one batched
   norm at the check; a large one is reduced at once (``torch.aminmax``, kept on the device).
+* A call of one of the model's direct children made outside any call of the model (a model
+  used through its own methods, ``decode(encode(x))``) is a top-level call too: its outputs
+  and their gradients are screened the same way, and it is kept for a replay (not for a
+  plain ``nn.Sequential``, which is used through its forward: no hook on its children).
 * Around each call of the model the screen also keeps the arguments (references), the RNG
   state and the autocast state (capture's replay kit): what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
@@ -65,11 +69,15 @@ SMALL = 1 << 16
 
 
 class RootCall:
-    """One call of the model in this step: what a replay needs, and what the screen checks."""
+    """One top-level call in this step: of the model, or of one of its direct children called
+    outside any call of the model (a model used through its own methods, ``decode(encode(x))``);
+    what a replay needs, and what the screen checks."""
 
-    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "reported")
+    __slots__ = ("module", "name", "args", "kwargs", "rng", "autocast", "grads", "reported")
 
-    def __init__(self, args: tuple, kwargs: dict, cuda_devices: list[int]) -> None:
+    def __init__(self, module: nn.Module, name: str, args: tuple, kwargs: dict,
+                 cuda_devices: list[int]) -> None:
+        self.module, self.name = module, name
         self.args: tuple | None = args
         self.kwargs: dict = kwargs
         self.rng = RngState(cuda_devices)
@@ -130,6 +138,7 @@ class Screen:
         self.param_norms: tuple[list[tuple[str, Tensor]], np.ndarray] | None = None
         self._forward = _Pending()  # outputs since the last forward check
         self._grads = _Pending()  # gradients of the running backward
+        # Open top-level calls; None for a call without grad mode or nested in another.
         self._open: list[RootCall | None] = []
         self._backward: list[RootCall] = []
         self._end = OncePerBackward(self._end_of_backward)
@@ -147,15 +156,24 @@ class Screen:
         for _, param in self.params.large:
             if param.requires_grad:
                 self.hooks.post_accumulate_grad(param, self.params.sum_grad)
+        self._screened = {name for name, module in modules
+                          if module is not model and module is not root}
         for name, module in modules:
             if module is not model and module is not root:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
+        # The model's direct children, called outside any call of the model: top-level calls
+        # too (a model trained through its own methods, as autoencoders are). A plain
+        # nn.Sequential is used through its forward: its children get no hook.
+        for name, child in ([] if type(root) is nn.Sequential else root.named_children()):
+            self.hooks.module_calls(child, functools.partial(self._before, child, name),
+                                    functools.partial(self._after, name))
         if modules:
             with compiled_feature("detect(screen='modules')"):
                 release = run_eagerly(model, root, modules)
             if release is not None:
                 self.hooks.add_cleanup(release)
-        self.hooks.module_calls(model, self._before, self._after)
+        self.hooks.module_calls(model, functools.partial(self._before, model, ""),
+                                functools.partial(self._after, ""))
 
     @property
     def norms_mode(self) -> bool:
@@ -174,6 +192,9 @@ class Screen:
         # Forward calls inside a backward are checkpoint recomputations; without grad mode
         # there is no backward to check (nor a record in the per-call watch).
         if torch.is_grad_enabled() and not in_recomputation():
+            top = self._open[-1] if self._open else None
+            if top is not None and top.name == name:
+                return  # a top-level call of a child: screened as such (``_after``)
             self._screen_outputs(name, output, None)
 
     def _screen_outputs(self, name: str, output: Any, call: RootCall | None) -> None:
@@ -190,11 +211,13 @@ class Screen:
         if handle is not None:
             self._leaf_hooks.append(handle)
 
-    def _before(self, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or in_recomputation():
-            self._open.append(None)
+    def _before(self, module: nn.Module, name: str, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or in_recomputation() or (name and self._open):
+            self._open.append(None)  # no backward to check, or inside a top-level call
             return
-        self._open.append(RootCall(args, kwargs, self.cuda))
+        self._open.append(RootCall(module, name, args, kwargs, self.cuda))
+        if name:
+            return  # a child's arguments come from the model's own computation
         if not kwargs:
             for a in args:
                 if not isinstance(a, Tensor) or a.requires_grad:
@@ -205,11 +228,11 @@ class Screen:
             if t.requires_grad and _host.measurable(t):
                 self._hook_gradient(t, "grad_input", "", path, None)
 
-    def _after(self, output: Any) -> None:
+    def _after(self, name: str, output: Any) -> None:
         call = self._open.pop() if self._open else None
         if call is None:
             return
-        self._screen_outputs("", output, call)
+        self._screen_outputs(name, output, call)
         self.calls.append(call)
         if len(self.calls) > MAX_KEPT_CALLS:
             old = self.calls[-MAX_KEPT_CALLS - 1]
@@ -479,6 +502,7 @@ class Screen:
         """Forget this step's calls (``det.step()``)."""
         self.params.new_step()
         self.calls = []
+        self._open = []  # a call that raised left its entry
         self.quiet_params = False
         self.backward_checked = False
         if self._leaf_hooks:

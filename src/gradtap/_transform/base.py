@@ -28,7 +28,8 @@ over the parameters each backward reached (:func:`is_batched`) rather than one b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
@@ -82,8 +83,9 @@ class Transform(NamedTuple):
 
     ``update(grad, state, param, **extra)`` returns ``(new_grad, new_state)``. It must not
     modify ``grad`` in place; it may update its own state tensors in place. Extra context is
-    keyword-only, and transforms ignore keywords they do not use (none is passed by
-    :func:`gradtap.transform` today). For activation gradients there is no parameter:
+    keyword-only: :func:`gradtap.transform` passes ``optimizer=`` to a transform that needs it
+    (:func:`needs`), and :func:`chain` passes each member only the keywords its ``update``
+    (or ``update_many``) accepts, so ``update(grad, state, param)`` without ``**extra`` is fine. For activation gradients there is no parameter:
     ``init`` receives the first gradient seen at that slot and ``update`` receives
     ``param=None``.
 
@@ -192,7 +194,8 @@ def chain(*parts: Transform) -> Transform:
     """Compose transforms: the gradient goes through ``parts`` in order, left to right.
 
     The state is the tuple of the members' states. Keyword extras are forwarded to every
-    member. If any member offers ``update_many`` the chain does too (members without it run
+    member that accepts them (a ``**extra`` parameter, or a parameter of that name; a user
+    transform written ``update(grad, state, param)`` gets none). If any member offers ``update_many`` the chain does too (members without it run
     per tensor inside it); if any member is group-only (``clip_global_norm``) the chain is too.
 
     Args:
@@ -218,6 +221,10 @@ def chain(*parts: Transform) -> Transform:
                 f"got {type(part).__name__}"
             )
     members = tuple(parts)
+    # The keywords each member's functions accept (None: any), read once here.
+    takes = [_accepted(part.update) for part in members]
+    takes_many = [None if part.update_many is None else _accepted(part.update_many)
+                  for part in members]
 
     def init(param: Tensor) -> tuple[State, ...]:
         return tuple(part.init(param) for part in members)
@@ -226,8 +233,8 @@ def chain(*parts: Transform) -> Transform:
         grad: Tensor, state: tuple[State, ...], param: Tensor | None, /, **extra: Any
     ) -> tuple[Tensor, tuple[State, ...]]:
         new_states = []
-        for part, sub in zip(members, state, strict=True):
-            grad, sub = part.update(grad, sub, param, **extra)
+        for part, sub, names in zip(members, state, takes, strict=True):
+            grad, sub = part.update(grad, sub, param, **_only(extra, names))
             new_states.append(sub)
         return grad, tuple(new_states)
 
@@ -253,10 +260,12 @@ def chain(*parts: Transform) -> Transform:
         for k, part in enumerate(members):
             subs = [state[k] for state in states]
             if part.update_many is not None:
-                grads, subs = part.update_many(grads, subs, params, **extra)
+                grads, subs = part.update_many(grads, subs, params,
+                                               **_only(extra, takes_many[k]))
                 grads, subs = list(grads), list(subs)
             else:
-                outs = [part.update(g, s, p, **extra) for g, s, p in zip(grads, subs, params, strict=True)]
+                kw = _only(extra, takes[k])
+                outs = [part.update(g, s, p, **kw) for g, s, p in zip(grads, subs, params, strict=True)]
                 grads = [o[0] for o in outs]
                 subs = [o[1] for o in outs]
             per_member.append(subs)
@@ -264,6 +273,27 @@ def chain(*parts: Transform) -> Transform:
         return grads, new_states
 
     return Transform(init, update, update_many)
+
+
+def _accepted(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword extras ``fn`` (an ``update`` or ``update_many``) accepts after its three
+    positional parameters; None when it takes ``**extra`` (or has no signature to read)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params[3:]
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   inspect.Parameter.KEYWORD_ONLY))
+
+
+def _only(extra: Mapping[str, Any], names: frozenset[str] | None) -> dict[str, Any]:
+    """The entries of ``extra`` a member accepts (``names``; None: all)."""
+    if names is None or not extra:
+        return dict(extra)
+    return {k: v for k, v in extra.items() if k in names}
 
 
 def _chain_factor(members: tuple[Transform, ...]) -> Callable[[State], Tensor] | None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_, group_norms
+from gradtap._tensorops import ewma_init, ewma_update_, group_by_device_dtype
 from gradtap._tensorops.sharded import centered_rows, is_sharded, local, rebuild, sumsq_whole
-from gradtap._transform.base import State, Transform, _mark_group_only, stateless
+from gradtap._transform.base import State, Transform, _mark, _mark_group_only, stateless
 from gradtap._types import is_int
 
 __all__ = [
@@ -136,8 +136,10 @@ def clip_norm(max_norm: float) -> Transform:
 
     The gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, computed
     as a clamped tensor factor (no host sync). The norm is taken in float32 or wider, with
-    one ``torch._foreach_norm`` (:func:`gradtap._tensorops.group_norms`, the kernel
-    ``torch.nn.utils.clip_grad_norm_`` uses).
+    ``torch._foreach_norm`` (the kernel ``torch.nn.utils.clip_grad_norm_`` uses). Over several tensors (``update_many``: with
+    ``when="step"``, and with ``when="accumulate"`` over the parameters each backward
+    reached) one foreach norm and one ``torch._foreach_mul`` per device and dtype do them
+    all, with the same result as one by one.
 
     Args:
         max_norm: the largest norm allowed, ``> 0``.
@@ -154,12 +156,18 @@ def clip_norm(max_norm: float) -> Transform:
     """
     bound = _positive("max_norm", "clip_norm", max_norm)
 
+    def clipped(group: list[Tensor]) -> list[Tensor]:
+        # One device and dtype: one foreach norm (also for one tensor, so that one by one and
+        # together give the same numbers on every device), one foreach multiply.
+        low = group[0].dtype in (torch.float16, torch.bfloat16)
+        n = torch._foreach_norm(group, 2, dtype=torch.float32 if low else None)
+        factors = (bound / (torch.stack(n) + _CLIP_EPS)).clamp_(max=1.0).to(group[0].dtype)
+        return list(torch._foreach_mul(group, list(factors.unbind())))
+
     def fn(grad: Tensor, param: Tensor | None) -> Tensor:
         if is_sharded(grad):
             return update_many([grad], [()], [param])[0][0]
-        norm = group_norms([grad])[0]
-        factor = (bound / (norm + _CLIP_EPS)).clamp_(max=1.0)
-        return grad * factor.to(grad.dtype)
+        return clipped([grad])[0]
 
     def update_many(
         grads: Sequence[Tensor],
@@ -168,16 +176,24 @@ def clip_norm(max_norm: float) -> Transform:
         /,
         **extra: Any,
     ) -> tuple[list[Tensor], list[State]]:
-        # Every tensor's own norm; sharded gradients' sums of squares in one collective.
+        # Every tensor's own norm: one foreach norm and one foreach multiply per device and
+        # dtype, the same numbers as one by one; sharded gradients' sums of squares in one
+        # collective.
         if not any(is_sharded(g) for g in grads):
-            return [fn(g, p) for g, p in zip(grads, params, strict=True)], list(states)
+            out: list[Tensor] = list(grads)
+            for idx in group_by_device_dtype(grads).values():
+                for i, g in zip(idx, clipped([grads[i] for i in idx]), strict=True):
+                    out[i] = g
+            return out, list(states)
         factors = (bound / (sumsq_whole(grads, "clip_norm").sqrt() + _CLIP_EPS)).clamp_(max=1.0)
         out = [rebuild(g, local(g) * factors[i].to(device=local(g).device, dtype=g.dtype))
                for i, g in enumerate(grads)]
         return out, list(states)
 
     plain = stateless(fn)
-    return Transform(plain.init, plain.update, update_many)
+    # Batched: with when="accumulate", one update_many over the parameters each backward
+    # reached instead of one update per tensor.
+    return Transform(plain.init, _mark(plain.update, batched=True), update_many)
 
 
 def clip_global_norm(max_norm: float) -> Transform:

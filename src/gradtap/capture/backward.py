@@ -17,7 +17,8 @@ from gradtap.capture.boundary import Region
 from gradtap.capture.graph import INPUT_REGION, PARAM
 from gradtap.capture.state import Call, Recorder, accumulate
 
-__all__ = ["base_prehook", "boundary_sink", "node_posthook", "output_prehook"]
+__all__ = ["ViewGroup", "ViewSlot", "base_prehook", "boundary_sink", "guard_sink", "node_posthook",
+           "output_prehook", "view_node_prehook", "view_sink"]
 
 RecorderRef = weakref.ref[Recorder]
 
@@ -82,15 +83,104 @@ def boundary_sink(rec_ref: RecorderRef, call: Call, path: str, credit: Any
                 check_like(r, g, f"rewrite of grad_output {path!r} of {name!r}")
                 g = r
         call.grad_outputs[path] = accumulate(call.grad_outputs[path], g)
-        if isinstance(credit, str):
-            call.grad_inputs[credit] = accumulate(call.grad_inputs[credit], g)
-        elif credit is not None and credit[0] == PARAM:
-            call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
-        elif credit is not None:
-            nodes, keys = credit
-            for key, gi in zip(keys, _through(nodes, g)):
-                if key is not None:
-                    call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
+        _credit(call, credit, g)
+        rec.fired(call)
+        return g
+
+    return sink
+
+
+def _credit(call: Call, credit: Any, g: Tensor) -> None:
+    """Credit ``g`` (an output's gradient) to what the boundary node bypassed: an input key,
+    ``(PARAM, name)``, or the call's view ops with the input key of each edge of the last."""
+    if isinstance(credit, str):
+        call.grad_inputs[credit] = accumulate(call.grad_inputs[credit], g)
+    elif credit is not None and credit[0] == PARAM:
+        call.param_grads[credit[1]] = accumulate(call.param_grads[credit[1]], g)
+    elif credit is not None:
+        nodes, keys = credit
+        for key, gi in zip(keys, _through(nodes, g)):
+            if key is not None:
+                call.grad_inputs[key] = accumulate(call.grad_inputs[key], gi)
+
+
+class ViewGroup:
+    """View outputs of one base the call made, each with a boundary node: the base's own
+    guard node (an in-place identity put on the base after theirs) sees every later gradient
+    that does not come through the views' own nodes (later uses of the base, uses after an
+    in-place op on it or on a view of it). ``exact`` is False where no guard could be put."""
+
+    __slots__ = ("exact", "foreign")
+
+    def __init__(self) -> None:
+        self.exact = False
+        self.foreign: Tensor | None = None
+
+
+class ViewSlot:
+    """One view output of a :class:`ViewGroup`: the gradient its own node (the node later uses
+    of the view reach) received, and where it lies in the base."""
+
+    __slots__ = ("group", "region", "direct")
+
+    def __init__(self, group: ViewGroup, region: Region) -> None:
+        self.group, self.region = group, region
+        self.direct: Tensor | None = None
+
+    def reset(self) -> None:
+        self.direct = None
+        self.group.foreign = None
+
+
+def view_node_prehook(rec_ref: RecorderRef, slot: ViewSlot) -> Callable:
+    """A pre-hook on the node later uses of a view output reach: dL/d(view) from those uses."""
+
+    def prehook(grad_outputs: tuple) -> None:
+        rec = rec_ref()
+        if rec is not None and rec.live():
+            slot.direct = accumulate(slot.direct, grad_outputs[0])
+
+    return prehook
+
+
+def guard_sink(rec_ref: RecorderRef, group: ViewGroup) -> Callable[[Tensor], Tensor]:
+    """The backward of a :class:`ViewGroup`'s guard node: notes the gradient w.r.t. the base."""
+
+    def sink(g: Tensor) -> Tensor:
+        rec = rec_ref()
+        if rec is not None and rec.live():
+            group.foreign = accumulate(group.foreign, g)
+        return g
+
+    return sink
+
+
+def view_sink(rec_ref: RecorderRef, call: Call, path: str, slot: ViewSlot, credit: Any
+              ) -> Callable[[Tensor], Tensor]:
+    """The backward of the boundary node of view output ``path`` of a :class:`ViewGroup`.
+
+    Its base's ``CopySlices`` node calls it with the view's region of every gradient that
+    reached the base after the view's boundary, also when the view itself was never used (a
+    region of zeros) and including its siblings' overlapping uses. The slot is instead what
+    the view's own node received, plus its region of what the guard saw (None when neither);
+    without a guard, the region as given. ``credit`` is as for :func:`boundary_sink` (the
+    bypassed view ops of a view of a tensor made before the call).
+    """
+
+    def sink(g: Tensor) -> Tensor:
+        rec = rec_ref()
+        if rec is None or not rec.live():
+            return g
+        rec.touch(call)
+        if slot.group.exact:
+            foreign = slot.group.foreign
+            value = accumulate(slot.direct, None if foreign is None else slot.region.of(foreign))
+            slot.direct = None
+        else:
+            value = g
+        call.grad_outputs[path] = accumulate(call.grad_outputs[path], value)
+        if value is not None:
+            _credit(call, credit, value)
         rec.fired(call)
         return g
 

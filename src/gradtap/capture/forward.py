@@ -22,7 +22,17 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from gradtap.capture import compat
-from gradtap.capture.backward import base_prehook, boundary_sink, node_posthook, output_prehook
+from gradtap.capture.backward import (
+    ViewGroup,
+    ViewSlot,
+    base_prehook,
+    boundary_sink,
+    guard_sink,
+    node_posthook,
+    output_prehook,
+    view_node_prehook,
+    view_sink,
+)
 from gradtap.capture.boundary import Region, alias, mark_boundary, overlaps_itself
 from gradtap.capture.graph import PARAM, walk_call
 from gradtap.capture.naming import ModuleInfo, flat_arguments
@@ -210,14 +220,26 @@ def note_outputs(rec: Recorder, call: Call, module: nn.Module, output: Any) -> A
         hooked += len(aliased)
 
     unmarked: dict[int, Any] = {}
+    groups: dict[int, tuple[Tensor, ViewGroup, list[tuple[Tensor, ViewSlot]]]] = {}
     for i, path, t, bypassed in boundary:
-        if mark_boundary(t, boundary_sink(weakref.ref(rec), call, path, bypassed)):
+        base = _own_base(rec, call, t, bypassed)
+        if base is not None:
+            _, group, members = groups.setdefault(id(base), (base, ViewGroup(), []))
+            slot = ViewSlot(group, Region(t, base))
+            sink = view_sink(weakref.ref(rec), call, path, slot, bypassed)
+        else:
+            sink = boundary_sink(weakref.ref(rec), call, path, bypassed)
+        if mark_boundary(t, sink):
             hooked += 1
+            if base is not None:
+                members.append((t, slot))
         else:
             # Not to be modified in place (a view of a leaf, an alias, an expanded tensor):
             # an alias of its own. Its gradient goes on through the tensor's own nodes, whose
             # hooks credit the call's inputs; only an argument returned as is is credited.
             unmarked[i] = bypassed if isinstance(bypassed, str) else None
+    for base, group, members in groups.values():
+        _guard(rec, call, base, group, members)
     if unmarked:
         returned = _aliases(rec, call, output, outs, unmarked)
         hooked += len(unmarked)
@@ -248,6 +270,35 @@ def _aliases(rec: Recorder, call: Call, output: Any, outs: list[tuple[str, Tenso
         return alias(t, sink)
 
     return map_tensors(output, alias_of)
+
+
+def _own_base(rec: Recorder, call: Call, t: Tensor, bypassed: Any) -> Tensor | None:
+    """The base of ``t`` where ``t`` is a view that gets a boundary node of its own, of a
+    tensor the call made or (its view ops bypassed) of one made before it: read at the view's
+    own node (see :class:`ViewGroup`). None otherwise (with a listener's rewrites, too)."""
+    if rec.rewrite_out is not None or not t._is_view() or isinstance(bypassed, str):
+        return None
+    base: Any = t._base
+    fn = base.grad_fn
+    if fn is None:
+        return None
+    return base if bypassed is not None or fn._sequence_nr() >= call.start else None
+
+
+def _guard(rec: Recorder, call: Call, base: Tensor, group: ViewGroup,
+           members: list[tuple[Tensor, ViewSlot]]) -> None:
+    """Hook the node later uses of each marked view reach, then put the group's guard node on
+    the base (after the views' boundary nodes, which the views' nodes already bypass)."""
+    if not members:
+        return
+    rec_ref = weakref.ref(rec)
+    nodes: list[Any] = [t.grad_fn for t, _ in members]
+    group.exact = mark_boundary(base, guard_sink(rec_ref, group))
+    if not group.exact:
+        return
+    for node, (_, slot) in zip(nodes, members):
+        node.register_prehook(view_node_prehook(rec_ref, slot))
+        call.view_slots.append(slot)
 
 
 def _view_chain(fn: Any, start: int) -> list[Any] | None:

@@ -33,7 +33,8 @@ class Call:
 
     __slots__ = ("info", "index", "grad_inputs", "grad_outputs", "param_grads", "inputs",
                  "outputs", "input_edges", "input_bases", "input_ids", "start", "expected",
-                 "remaining", "touched", "last_fire", "out_versions", "fwd_inputs", "param_ids")
+                 "remaining", "touched", "last_fire", "out_versions", "fwd_inputs", "param_ids",
+                 "view_slots")
 
     def __init__(self, info: ModuleInfo, index: int) -> None:
         self.info = info
@@ -57,6 +58,8 @@ class Call:
         # The parameters the module held when the call began, by id, when they are swapped
         # in for the forward (FSDP2's unsharded parameters); None otherwise.
         self.param_ids: dict[int, str] | None = None
+        # View outputs of a base made by the call, read at their own nodes (capture.backward).
+        self.view_slots: list[Any] = []
 
 
 class Recorder:
@@ -144,6 +147,8 @@ class Recorder:
         call.grad_inputs = dict.fromkeys(call.grad_inputs)
         call.grad_outputs = dict.fromkeys(call.grad_outputs)
         call.param_grads = call.info.empty_param_grads.copy()
+        for slot in call.view_slots:
+            slot.reset()
         if self.store:
             self.records.append(rec)
         for sink in self.sinks:
