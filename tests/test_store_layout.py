@@ -269,3 +269,21 @@ def test_write_step_errors(tmp_path):
     with pytest.raises(StoreError, match="was closed"):
         w.write_step(5, [], np.array([0]), np.array([1.0]))
     assert gt.open_run(tmp_path / "run").steps == [3]
+
+
+def test_cli_inspect_and_runs_on_a_run_directory(tmp_path, capsys):
+    from gradtap.cli import main
+
+    steps = range(0, 20, 2)
+    write(tmp_path / "runs" / "a", steps, chunk_steps=4)
+    assert main(["inspect", str(tmp_path / "runs" / "a")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "steps       10 (0-18)" in out and "tensors     20" in out
+    assert "status      finished" in out and "stats       absmax, norm" in out
+    (tmp_path / "plain").mkdir()
+    assert main(["inspect", str(tmp_path / "plain")]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory but not a run directory (it holds no run.db)" in err
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[1:4] == ["10", "18", "-"] and lines[2].endswith("finished")
