@@ -75,6 +75,10 @@ def check(run, oracle, steps):
         mine = [(k[0], oracle[k]) for k in expected if k[1] == sid]
         assert s.tolist() == [k for k, _ in mine]
         np.testing.assert_array_equal(v, np.array([x for _, x in mine]))
+    pieces_np = list(run.iter_arrays())
+    for got, whole in zip(zip(*pieces_np), (st, ids, values)):
+        np.testing.assert_array_equal(np.concatenate(got), whole)
+    assert run.step_array().dtype == np.int64 and run.step_array().tolist() == list(steps)
     frame = run.frame()
     pieces = list(run.iter_frames())
     pd.testing.assert_frame_equal(pd.concat(pieces, ignore_index=True), frame)

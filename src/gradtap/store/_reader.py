@@ -188,6 +188,18 @@ class Run:
         for steps, ids, values in self._blocks(keep, len(series)):
             yield build_frame(steps, ids, values, series)
 
+    def iter_arrays(
+        self,
+        names: str | Sequence[str] | None = None,
+        stats: str | Sequence[str] | None = None,
+        kinds: str | Sequence[str] | None = None,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`arrays` in pieces of consecutive steps (one stored chunk each): ``(steps [R],
+        series_ids [R], values [R])`` per piece, ordered by (step, series id); the ids index
+        ``arrays()[3]`` (or the ``series`` table)."""
+        series, keep = self._select(names, stats, kinds)
+        yield from self._blocks(keep, len(series))
+
     def arrays(
         self,
         names: str | Sequence[str] | None = None,
