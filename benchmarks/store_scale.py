@@ -12,7 +12,8 @@ all that is timed, one thread. Printed per tensor count:
 * write amplification: bytes the process wrote (``/proc/self/io``: ``wchar``, the bytes handed
   to ``write``; ``write_bytes``, those sent to the block layer) over the final store size;
 * the time to read one series (``Run.series``) and the run's steps (``Run.steps``);
-* the same values written per step to TensorBoard (``SummaryWriter.add_scalar``, one call per
+* the same values appended again by ``RunWriter.write_step`` alone (the store's share of a
+  step, read back from the store, over every step), and written per step to TensorBoard (``SummaryWriter.add_scalar``, one call per
   value, over the first ``--compare-steps`` steps) and to Parquet (``pyarrow``, long format
   ``step, series, value``, one row group per ``--row-group`` steps, over every step): the cost
   per step and the bytes per value.
@@ -136,7 +137,7 @@ def step_values(run_dir: Path, steps: int):
     """``(step, series ids, values)`` of the first ``steps`` stored steps, read back from the
     store, and the series' TensorBoard tags by id."""
     run = gt.open_run(run_dir)
-    tags = np.array([f"{k}/{n}/{s}" for n, k, s in _series(run)], dtype=object)
+    tags = np.array([f"{k}/{n}/{s}" for n, k, s in run.series_keys()], dtype=object)
     done = 0
     for st, ids, vals in run.iter_arrays():
         cuts = np.flatnonzero(np.diff(st)) + 1
@@ -145,11 +146,6 @@ def step_values(run_dir: Path, steps: int):
             done += 1
             if done == steps:
                 return
-
-
-def _series(run) -> list[tuple[str, str, str]]:
-    with sqlite3.connect(run.path / DB_NAME) as conn:
-        return [tuple(r) for r in conn.execute("SELECT name, kind, stat FROM series ORDER BY id")]
 
 
 def bench_tensorboard(run_dir: Path, steps: int, work: Path) -> dict:
@@ -174,6 +170,26 @@ def bench_tensorboard(run_dir: Path, steps: int, work: Path) -> dict:
             "mean_ms": 1e3 * (sum(times) + close_s) / len(times), "bytes_per_value": size / count,
             "write_bytes_x": (after["write_bytes"] - before["write_bytes"]) / size,
             "steps": len(times)}
+
+
+def bench_runwriter(run_dir: Path, steps: int, work: Path) -> dict:
+    """The same values appended again with ``RunWriter.write_step`` (the store's own cost)."""
+    out = RunWriter(work / f"again-{run_dir.name}", {})
+    keys = gt.open_run(run_dir).series_keys()
+    times, seen = [], 0
+    for step, _, ids, vals in step_values(run_dir, steps):
+        top = int(ids.max()) + 1
+        new = [(i, *keys[i]) for i in range(seen, top)] if top > seen else []
+        seen = max(seen, top)
+        t0 = time.perf_counter()
+        out.write_step(step, new, ids, vals)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out.close()
+    close_s = time.perf_counter() - t0
+    shutil.rmtree(work / f"again-{run_dir.name}")
+    return {"step_ms": 1e3 * statistics.median(times),
+            "mean_ms": 1e3 * (sum(times) + close_s) / len(times)}
 
 
 def bench_parquet(run_dir: Path, steps: int, row_group: int, work: Path) -> dict:
@@ -267,11 +283,12 @@ def main() -> None:
     try:
         print("\n| tensors | steps | `mon.step()` early (steps) | late (steps) | growth per 1,000 "
               "steps | extrapolated to step 100,000 | B/value | written / store (wchar, "
-              "write_bytes) | one series | `Run.steps` | TensorBoard per step, B/value | "
-              "Parquet per step (mean), B/value |")
-        print("|" + "---|" * 12)
+              "write_bytes) | one series | `Run.steps` | `RunWriter.write_step` per step (mean) | "
+              "TensorBoard per step, B/value | Parquet per step (mean), B/value |")
+        print("|" + "---|" * 13)
         for n in [int(x) for x in args.tensors.split(",")]:
             r = bench_monitor(n, args.steps, args.numel, work)
+            rw = bench_runwriter(r["run_dir"], args.steps, work)
             tb = bench_tensorboard(r["run_dir"], args.compare_steps, work)
             pq = bench_parquet(r["run_dir"], args.steps, args.row_group, work)
             print(f"| {n} | {args.steps} | {r['early_ms']:.2f} ms ({r['early'][0]}-{r['early'][1]}) "
@@ -279,6 +296,7 @@ def main() -> None:
                   f"| {r['growth_ms']:+.3f} ms | {r['at_100k_ms']:.2f} ms "
                   f"| {r['bytes_per_value']:.2f} | {r['wchar_x']:.2f}x, {r['write_bytes_x']:.2f}x "
                   f"| {r['series_ms']:.1f} ms | {r['steps_ms']:.1f} ms "
+                  f"| {rw['step_ms']:.3f} ms ({rw['mean_ms']:.3f} ms) "
                   f"| {tb['step_ms']:.1f} ms, {tb['bytes_per_value']:.1f} "
                   f"| {pq['step_ms']:.3f} ms ({pq['mean_ms']:.3f} ms), {pq['bytes_per_value']:.2f} |",
                   flush=True)

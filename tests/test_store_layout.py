@@ -63,6 +63,7 @@ def check(run, oracle, steps):
     assert run.steps == list(steps)
     assert run.wall_times() == {s: 1000.0 + s for s in steps}
     st, ids, values, series = run.arrays()
+    assert run.series_keys() == series == [s[1:] for s in SERIES[: len(series)]]
     expected = sorted(oracle)
     assert list(zip(st.tolist(), ids.tolist())) == expected
     want = np.array([oracle[k] for k in expected])

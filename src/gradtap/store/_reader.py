@@ -216,6 +216,11 @@ class Run:
         return (np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks]),
                 np.concatenate([b[2] for b in blocks]), series)
 
+    def series_keys(self) -> list[tuple[str, str, str]]:
+        """``(name, kind, stat)`` of every series, indexed by series id (the ids of
+        :meth:`arrays`), read from the catalogue alone."""
+        return self._select(None, None, None)[0]
+
     def wall_times(self) -> dict[int, float]:
         """Seconds since the epoch at which each step was stored, by step."""
         with self._connect() as conn:
