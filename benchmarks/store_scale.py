@@ -8,9 +8,14 @@ all that is timed, one thread. Printed per tensor count:
   tenth when shorter) and over the run's last 1,000 steps (or last tenth), and the median
   extrapolated to step 100,000 from a straight line through the medians of ten equal windows
   (how much the cost grows per 1,000 steps);
+* the ratio of a step at the run's end (steps ``--steps`` on) to a step of a fresh Monitor on
+  the same model (steps 0 on), the two alternating for ``--paired`` steps each, the order
+  swapped every step: median and quartiles of the paired ratios (drift of a loaded machine
+  cancels; 1.0 is flat);
 * bytes per stored value (the run directory's size after ``close()`` over the values stored);
-* write amplification: bytes the process wrote (``/proc/self/io``: ``wchar``, the bytes handed
-  to ``write``; ``write_bytes``, those sent to the block layer) over the final store size;
+* write amplification: bytes the process wrote over the ``--steps`` steps (``/proc/self/io``:
+  ``wchar``, the bytes handed to ``write``; ``write_bytes``, those sent to the block layer)
+  over the store's size after them;
 * the time to read one series (``Run.series``) and the run's steps (``Run.steps``);
 * the same values appended again by ``RunWriter.write_step`` alone (the store's share of a
   step, read back from the store, over every step), and written per step to TensorBoard (``SummaryWriter.add_scalar``, one call per
@@ -22,8 +27,8 @@ all that is timed, one thread. Printed per tensor count:
 with ``RunWriter`` (no Monitor: it only has to exist) and times one series, ``Run.steps``,
 ``Run.names`` and ``gradtap runs`` on it.
 
-Run: ``python benchmarks/store_scale.py --tensors 50,300,1000 --steps 20000``
-(short: ``--tensors 50 --steps 3000 --compare-steps 200``).
+Run: ``python benchmarks/store_scale.py --tensors 50,300,1000 --steps 20000 --read-store``
+(short: ``--tensors 50 --steps 3000 --compare-steps 200``; ``--quick``: seconds).
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ def stored_values(run_dir: Path) -> int:
         return sum(n * sizes[lid] for n, lid in conn.execute("SELECT n_steps, layout_id FROM chunks"))
 
 
-def bench_monitor(n: int, steps: int, numel: int, work: Path, pool: int = 8) -> dict:
+def bench_monitor(n: int, steps: int, numel: int, work: Path, paired: int,
+                  pool: int = 8) -> dict:
     torch.manual_seed(0)
     model = Params(n, numel)
     params = list(model.parameters())
@@ -101,33 +107,56 @@ def bench_monitor(n: int, steps: int, numel: int, work: Path, pool: int = 8) -> 
     times = np.empty(steps)
     before = io_counters()
     mon = gt.Monitor(model, store=run_dir)
-    for s in range(steps):
-        for p, g in zip(params, torch._foreach_mul(grads[s % pool], scales[s])):
+
+    def step(m: gt.Monitor, ps: list[nn.Parameter], s: int) -> float:
+        for p, g in zip(ps, torch._foreach_mul(grads[s % pool], scales[s % steps])):
             p.grad = g
         t0 = time.perf_counter()
-        mon.step()
-        times[s] = time.perf_counter() - t0
-    mon.close()
+        m.step()
+        return time.perf_counter() - t0
+
+    for s in range(steps):
+        times[s] = step(mon, params, s)
     after = io_counters()
+    size_then = du(run_dir)
+    # The same model at step `steps` beside a fresh one at step 0, steps alternating (the order
+    # swapped every step): drift of a shared machine hits both alike.
+    fresh = Params(n, numel)
+    fresh_params = list(fresh.parameters())
+    fresh_mon = gt.Monitor(fresh, store=work / f"fresh-{n}")
+    old_t, new_t = [], []
+    for s in range(paired):
+        if s % 2:
+            old_t.append(step(mon, params, steps + s))
+            new_t.append(step(fresh_mon, fresh_params, s))
+        else:
+            new_t.append(step(fresh_mon, fresh_params, s))
+            old_t.append(step(mon, params, steps + s))
+    fresh_mon.close()
+    shutil.rmtree(work / f"fresh-{n}")
+    mon.close()
     size = du(run_dir)
     values = stored_values(run_dir)
+    ratio = np.array(old_t) / np.array(new_t)
+    q1, q3 = np.percentile(ratio, [25, 75])
     early, late = windows(times)
     growth, at_100k = extrapolate(times)
     run = gt.open_run(run_dir)
     t0 = time.perf_counter()
     s, v = run.series(f"p.{n // 2}", "norm")
     t_series = time.perf_counter() - t0
-    assert len(s) == steps
+    assert len(s) == steps + paired
     t0 = time.perf_counter()
-    assert len(run.steps) == steps
+    assert len(run.steps) == steps + paired
     t_steps = time.perf_counter() - t0
     return {
         "early": early, "late": late, "early_ms": 1e3 * float(np.median(times[slice(*early)])),
         "late_ms": 1e3 * float(np.median(times[slice(*late)])),
         "growth_ms": 1e3 * growth, "at_100k_ms": 1e3 * at_100k,
         "mean_ms": 1e3 * float(times.mean()), "bytes_per_value": size / values,
-        "wchar_x": (after["wchar"] - before["wchar"]) / size,
-        "write_bytes_x": (after["write_bytes"] - before["write_bytes"]) / size,
+        "wchar_x": (after["wchar"] - before["wchar"]) / size_then,
+        "write_bytes_x": (after["write_bytes"] - before["write_bytes"]) / size_then,
+        "paired": f"{float(np.median(ratio)):.3f} [{q1:.2f}, {q3:.2f}]",
         "size_mb": size / 2**20, "values": values, "series_ms": 1e3 * t_series,
         "steps_ms": 1e3 * t_steps, "run_dir": run_dir,
     }
@@ -262,11 +291,15 @@ def bench_read_store(n: int, steps: int, work: Path) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, to check the script works (20 tensors, 300 steps)")
     ap.add_argument("--tensors", default="50,300,1000", help="comma-separated tensor counts")
     ap.add_argument("--steps", type=int, default=20_000, help="Monitor steps per tensor count")
     ap.add_argument("--numel", type=int, default=64, help="elements per tensor")
+    ap.add_argument("--paired", type=int, default=2000,
+                    help="steps of the run's end alternated with a fresh Monitor's first ones")
     ap.add_argument("--compare-steps", type=int, default=300,
                     help="steps written to TensorBoard (one add_scalar per value)")
     ap.add_argument("--row-group", type=int, default=1000, help="steps per Parquet row group")
@@ -275,25 +308,30 @@ def main() -> None:
     ap.add_argument("--read-tensors", type=int, default=1000)
     ap.add_argument("--read-steps", type=int, default=100_000)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tensors, args.steps, args.compare_steps, args.row_group = "20", 300, 10, 100
+        args.paired = 50
+        args.read_store, args.read_tensors, args.read_steps = True, 20, 500
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="store-scale-", dir=args.dir))
     print(f"torch {torch.__version__}, gradtap {gt.__version__}, 1 thread, {os.cpu_count()} "
           f"CPUs, scratch {work}")
     try:
         print("\n| tensors | steps | `mon.step()` early (steps) | late (steps) | growth per 1,000 "
-              "steps | extrapolated to step 100,000 | B/value | written / store (wchar, "
+              "steps | extrapolated to step 100,000 | late / fresh, alternated: median [quartiles] | B/value | written / store (wchar, "
               "write_bytes) | one series | `Run.steps` | `RunWriter.write_step` per step (mean) | "
               "TensorBoard per step, B/value | Parquet per step (mean), B/value |")
-        print("|" + "---|" * 13)
+        print("|" + "---|" * 14)
         for n in [int(x) for x in args.tensors.split(",")]:
-            r = bench_monitor(n, args.steps, args.numel, work)
+            r = bench_monitor(n, args.steps, args.numel, work, args.paired)
             rw = bench_runwriter(r["run_dir"], args.steps, work)
             tb = bench_tensorboard(r["run_dir"], args.compare_steps, work)
             pq = bench_parquet(r["run_dir"], args.steps, args.row_group, work)
             print(f"| {n} | {args.steps} | {r['early_ms']:.2f} ms ({r['early'][0]}-{r['early'][1]}) "
                   f"| {r['late_ms']:.2f} ms ({r['late'][0]}-{r['late'][1]}) "
-                  f"| {r['growth_ms']:+.3f} ms | {r['at_100k_ms']:.2f} ms "
+                  f"| {r['growth_ms']:+.3f} ms | {r['at_100k_ms']:.2f} ms | {r['paired']} "
                   f"| {r['bytes_per_value']:.2f} | {r['wchar_x']:.2f}x, {r['write_bytes_x']:.2f}x "
                   f"| {r['series_ms']:.1f} ms | {r['steps_ms']:.1f} ms "
                   f"| {rw['step_ms']:.3f} ms ({rw['mean_ms']:.3f} ms) "
@@ -310,7 +348,9 @@ def main() -> None:
                   f"{r['runs_s']:.3f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        torch.set_num_threads(threads)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

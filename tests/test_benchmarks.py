@@ -184,3 +184,10 @@ def test_per_sample_goal_rows_quick(capsys):
     assert all("| 1.000 [1.000, 1.000] |" in r for r in vmap_rows)  # its ratio to itself
     one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
     assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
+
+
+def test_store_scale_quick(capsys):
+    assert importlib.import_module("store_scale").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 20 | 300 |"))
+    assert row.count("|") == 15 and "read store: 20 tensors x 5 stats x 500 steps" in out
