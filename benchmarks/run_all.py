@@ -25,7 +25,7 @@ from _harness import machine  # noqa: E402
 
 ORDER = ["tap_overhead", "monitor_overhead", "compile_overhead", "distributed", "gns_overhead",
          "transform_overhead", "spike_control", "detect_overhead", "session_overhead", "per_sample",
-         "conv_double_backward"]
+         "conv_double_backward", "store_scale"]
 
 
 class _Tee(io.TextIOBase):

@@ -192,3 +192,10 @@ def test_per_sample_goal_rows_quick(capsys):
         assert all(r.endswith("| not installed |") or "[" in r.split("|")[-2] for r in rows)
     one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
     assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
+
+
+def test_store_scale_quick(capsys):
+    assert importlib.import_module("store_scale").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 20 | 300 |"))
+    assert row.count("|") == 15 and "read store: 20 tensors x 5 stats x 500 steps" in out

@@ -22,6 +22,7 @@ from gradtap import _tensorops as ops
 from gradtap.errors import StoreError
 from gradtap.export import export_tensorboard
 from gradtap.store import DB_NAME, SCHEMA_VERSION
+from gradtap.store._common import VALUES_NAME
 
 ALL_STATS = ops.STAT_NAMES
 KINDS = ("param_grad", "param", "update", "grad_cosine", "grad_output")
@@ -149,7 +150,7 @@ def test_only_completed_steps_and_wall_times(tmp_path):
     assert sorted(run.wall_times()) == [0, 2, 4]
     mon.close()
     assert run.status == "finished"
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [DB_NAME]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [DB_NAME, VALUES_NAME]
 
 
 # -- crash safety ----------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def test_unknown_schema_version_is_a_clear_error(tmp_path):
     conn = sqlite3.connect(tmp_path / "run" / DB_NAME)
     conn.execute("PRAGMA user_version = 99")
     conn.close()
-    with pytest.raises(StoreError, match=r"schema version 99, but this gradtap reads version 1; "
+    with pytest.raises(StoreError, match=r"schema version 99, but this gradtap reads versions 1 to 2; "
                                          r"open it with the gradtap version that wrote it \(a "
                                          r"newer one\)"):
         gt.open_run(tmp_path / "run")

@@ -176,10 +176,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser(
-        "inspect", help="print the report stored in an anomaly dump",
+        "inspect", help="print the report stored in an anomaly dump, or a run's summary",
         description="Print the report of a dump written by gt.detect(..., dump_dir=DIR) "
-                    "(loaded safely, with weights_only=True).")
-    p.add_argument("dump", metavar="DUMP", help="a dump file written by gt.detect")
+                    "(loaded safely, with weights_only=True), or the summary of a run "
+                    "directory (steps, tensors, kinds, stats, status).")
+    p.add_argument("dump", metavar="DUMP",
+                   help="a dump file written by gt.detect, or a run directory")
     p.set_defaults(func=_cmd_inspect)
     return parser
 
@@ -416,12 +418,37 @@ def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from gradtap._detect import inspect_main
     from gradtap.errors import GradtapError
+    from gradtap.store import DB_NAME
 
     try:
-        print(inspect_main(args.dump))
+        if Path(args.dump).is_dir():
+            if not (Path(args.dump) / DB_NAME).is_file():
+                raise _CliError(f"{args.dump!r} is a directory but not a run directory (it "
+                                f"holds no {DB_NAME}); DUMP is a dump file written by "
+                                "gt.detect(..., dump_dir=DIR), or a run directory")
+            print(_run_summary(args.dump))
+        else:
+            print(inspect_main(args.dump))
     except (GradtapError, OSError) as err:
         raise _CliError(str(err)) from err
     return 0
+
+
+def _run_summary(run_dir: str) -> str:
+    """What ``gradtap inspect RUN_DIR`` prints: the run's status, steps, tensors and stats."""
+    from gradtap.store import open_run
+
+    run = open_run(run_dir)
+    meta, steps = run.meta, run.step_array()
+    span = f"{len(steps)}" + (f" ({steps[0]}-{steps[-1]})" if len(steps) else "")
+    rows = [["run", str(run.path)], ["status", str(meta.get("status"))],
+            ["started", str(meta.get("start_time", "-"))],
+            ["ended", str(meta.get("end_time", "-"))], ["steps", span],
+            ["tensors", str(len(run.names))], ["kinds", ", ".join(run.kinds) or "-"],
+            ["stats", ", ".join(run.stats) or "-"],
+            ["histograms", str(len(run.histogram_names()))],
+            ["schema", str(run.schema_version)]]
+    return "\n".join(format_table(["", ""], rows, align="ll")[2:])
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:

@@ -54,11 +54,10 @@ def to_tensorboard(run: Run | str | os.PathLike[str], log_dir: str | os.PathLike
     walls = run.wall_times()
     writer = SummaryWriter(log_dir=str(log_dir))
     try:
-        df_steps, df_ids, df_values, series = run.arrays()
-        for sid, (name, kind, stat) in enumerate(series):
-            mask = df_ids == sid
+        for name, kind, stat in run.series_keys():
             tag = f"{kind}/{name}/{stat}"
-            for step, value in zip(df_steps[mask].tolist(), df_values[mask].tolist()):
+            steps, values = run.series(name, stat, kind)  # one series in memory at a time
+            for step, value in zip(steps.tolist(), values.tolist()):
                 writer.add_scalar(tag, value, step, walltime=walls.get(step))
         for kind, name in run.histogram_names():
             hist = run.histogram(name, kind)
