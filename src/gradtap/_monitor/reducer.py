@@ -94,8 +94,9 @@ class StepReducer:
 
     def flush(self, copy: HostCopy) -> None:
         """Reduce what the step queued across ranks (at most two collectives) and queue the
-        results on ``copy``; call once per step, after the last job, before ``copy.run()``."""
-        if self._reduction is not None:
+        results on ``copy``; call once per step, after the last job, before ``copy.run()``.
+        Without a process group to reduce over, a reduction nothing was queued on is skipped."""
+        if self._reduction is not None and (self.reduce or not self._reduction.empty):
             self._reduction.run(copy, reduce=self.reduce)
 
     def end_step(self) -> None:
