@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -90,9 +89,9 @@ class SeriesTable:
         return new
 
 
-@dataclass(frozen=True)
 class StepRows:
-    """Every value of one computed step, columnar, as each sink receives it.
+    """Every value of one computed step, columnar, as each sink receives it (shared by every
+    sink: read it, never modify it).
 
     Attributes:
         step: the step number.
@@ -105,13 +104,18 @@ class StepRows:
         table: the run's series table (``table.series[i]`` is ``(name, kind, stat)`` of id ``i``).
     """
 
-    step: int
-    wall_time: float
-    ids: np.ndarray
-    values: np.ndarray
-    new_series: Sequence[tuple[int, str, str, str]]
-    hists: Sequence[tuple[str, str, np.ndarray]] = ()
-    table: SeriesTable = field(default_factory=SeriesTable, repr=False)
+    __slots__ = ("hists", "ids", "new_series", "step", "table", "values", "wall_time")
+
+    def __init__(self, step: int, wall_time: float, ids: np.ndarray, values: np.ndarray,
+                 new_series: Sequence[tuple[int, str, str, str]],
+                 hists: Sequence[tuple[str, str, np.ndarray]], table: SeriesTable) -> None:
+        self.step = step
+        self.wall_time = wall_time
+        self.ids = ids
+        self.values = values
+        self.new_series = new_series
+        self.hists = hists
+        self.table = table
 
     def labels(self) -> tuple[list[str], list[str], list[str]]:
         """``(names, kinds, stats)``: the series of each value, in :attr:`values` order."""
@@ -119,6 +123,9 @@ class StepRows:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"StepRows(step={self.step}, values={len(self.values)}, hists={len(self.hists)})"
 
 
 class RowBuilder:

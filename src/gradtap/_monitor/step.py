@@ -104,8 +104,10 @@ class StepPipeline:
     @property
     def device(self) -> torch.device:
         """The device of the first selected parameter (CPU without any)."""
-        return next((distributed.local_tensor(p).device for _, p in self.params),
-                    torch.device("cpu"))
+        if not self.params:
+            return torch.device("cpu")
+        p = self.params[0][1]
+        return (distributed.local_tensor(p) if self.sharded else p).device
 
     def nothing_to_read(self, pending: Sequence[Part], local: dict[str, Tensor]) -> bool:
         """Whether only gradients are watched and no selected one arrived this step."""
