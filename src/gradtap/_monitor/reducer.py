@@ -117,12 +117,16 @@ class StepReducer:
 
         The kind's :class:`~gradtap._tensorops.MomentPlan` is kept from step to step while its
         tensors keep their devices, dtypes and sizes."""
-        job = _Job(kind, names)
-        job.tensors = tensors
         signature = ops.MomentPlan.signature(tensors)
         plan = self._plans.get(kind)
         if plan is None or plan[0] != signature:
             plan = self._plans[kind] = (signature, ops.MomentPlan(tensors, self._needs))
+        order = plan[1].order
+        if order is not None:  # the plan's order (a step's rows may come in any order)
+            names = [names[i] for i in order]
+            tensors = [tensors[i] for i in order]
+        job = _Job(kind, names)
+        job.tensors = tensors
         job.count = plan[1].count
         job.gather = plan[1].queue(tensors, copy)
         if self.edges is not None:
