@@ -304,15 +304,12 @@ class Monitor:
             raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
         s = self._step
         try:
-            if self._active and self._pipeline.nothing_to_read(self._pending, self._local):
-                self._pipeline.check_not_replaced()
+            if self._active and self._pipeline.run(s, pending=self._pending, local=self._local,
+                                                   loss=loss, batch_size=batch_size) is None:
                 warnings.warn(
                     f"Monitor.step() at step {s}: no selected tensor has a gradient (called "
                     "before backward, or after optimizer.zero_grad()?); nothing is stored for "
                     "this step", UserWarning, stacklevel=2)
-            elif self._active:
-                self._pipeline.run(s, pending=self._pending, local=self._local, loss=loss,
-                                   batch_size=batch_size)
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
         finally:

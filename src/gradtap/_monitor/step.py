@@ -109,12 +109,6 @@ class StepPipeline:
         p = self.params[0][1]
         return (distributed.local_tensor(p) if self.sharded else p).device
 
-    def nothing_to_read(self, pending: Sequence[Part], local: dict[str, Tensor]) -> bool:
-        """Whether only gradients are watched and no selected one arrived this step."""
-        if self._reads_params or pending or local or self.health.gain:
-            return False
-        return not any(p.grad is not None for _, p in self.params)
-
     def check_not_replaced(self) -> None:
         """Raise when the model no longer holds the selected parameters (replaced after the
         Monitor was built, as ``fully_shard`` does): their gradients would never come."""
@@ -133,10 +127,17 @@ class StepPipeline:
     # -- one step ----------------------------------------------------------------------------
 
     def run(self, s: int, *, pending: Sequence[Part], local: dict[str, Tensor],
-            loss: Tensor | float | None, batch_size: int | Sequence[int] | None) -> StepRows:
-        """Compute step ``s``: gather, reduce, copy, rows; hand the rows to every sink."""
-        copy = ops.HostCopy()
+            loss: Tensor | float | None, batch_size: int | Sequence[int] | None
+            ) -> StepRows | None:
+        """Compute step ``s``: gather, reduce, copy, rows; hand the rows to every sink.
+
+        Returns the rows, or ``None`` (nothing computed, nothing stored) when only gradients
+        are watched and no selected one arrived this step."""
         full = self._gathered_grads()
+        if not full and not (self._reads_params or pending or local or self.health.gain
+                             or any(p.grad is not None for _, p in self.params)):
+            return None
+        copy = ops.HostCopy()
         grads: dict[str, Tensor] = full
         counts: dict[str, bool] = {}
         if self.sharded:
