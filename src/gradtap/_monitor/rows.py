@@ -129,7 +129,16 @@ class StepRows:
 
 
 class RowBuilder:
-    """Collects the finished blocks of one step into :class:`StepRows`."""
+    """Collects the finished blocks of one step into :class:`StepRows`.
+
+    Example:
+        >>> import numpy as np
+        >>> rows = RowBuilder(SeriesTable())
+        >>> rows.add("param_grad", ["w", "b"], {"norm": np.array([3.0, 4.0])})
+        >>> step = rows.finish(0)
+        >>> step.labels()[0], step.values.tolist(), step.new_series[0]
+        (['w', 'b'], [3.0, 4.0], (0, 'w', 'param_grad', 'norm'))
+    """
 
     def __init__(self, table: SeriesTable) -> None:
         self._table = table
