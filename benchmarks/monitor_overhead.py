@@ -20,6 +20,12 @@ steps (kept in memory, and with a store).
 
     python benchmarks/monitor_overhead.py            # full run
     python benchmarks/monitor_overhead.py --quick    # a few seconds, for CI
+    python benchmarks/monitor_overhead.py --models cnn --threads 1 --clock cpu --floor
+
+``--clock cpu`` times this process's CPU time instead of wall time (on a machine other
+processes load); ``--floor`` adds ``plain again``, the plain step a second time, whose ratio is
+what the machine's noise alone makes of two identical variants, and gives every ratio with the
+first and third quartiles over rounds in brackets.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -37,7 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import gradtap as gt  # noqa: E402
-from _harness import Timing, interleaved, machine, markdown_table, rss_bytes  # noqa: E402
+from _harness import (  # noqa: E402
+    Timing,
+    interleaved,
+    machine,
+    markdown_table,
+    paired_quartiles,
+    rss_bytes,
+)
 
 VARIANTS = ("plain", "monitor", "+store", "naive loop", "bare kernels")
 
@@ -81,7 +95,8 @@ def _optimizer(model: torch.nn.Module, quick: bool) -> object:
 
 
 def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int, steps: int,
-                warmup: int, quick: bool = False) -> dict[str, Timing]:
+                warmup: int, quick: bool = False, variants: Sequence[str] = VARIANTS,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
     """Each variant's :class:`Timing` on one model (ratios to ``plain``)."""
     model, x, y = build()
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -101,14 +116,16 @@ def bench_model(name: str, build: Callable, *, device: torch.device, rounds: int
 
     after: dict[str, Callable[[], object]] = {
         "plain": lambda: None,
+        "plain again": lambda: None,
         "monitor": mon.step,
         "+store": mon_store.step,
         "naive loop": lambda: _naive_stats(model),
         "bare kernels": lambda: _models.bare_stat_kernels(model),
     }
     try:
-        result = interleaved({v: train_step(after[v]) for v in VARIANTS}, steps=steps,
-                             rounds=rounds, warmup=warmup, sync=lambda: _sync(device))
+        result = interleaved({v: train_step(after[v]) for v in variants}, steps=steps,
+                             rounds=rounds, warmup=warmup, sync=lambda: _sync(device),
+                             clock=clock)
     finally:
         mon.close()
         mon_store.close()
@@ -140,6 +157,14 @@ def memory_growth(build: Callable, *, device: torch.device, steps: int, store: b
     return grown / 2**20, grown / (steps - first)
 
 
+def _cell(t: Timing, plain: Timing, quartiles: bool) -> str:
+    """``time (ratio)``, with the ratio's quartiles over rounds when asked for."""
+    if not quartiles:
+        return f"{t.seconds * 1e3:.2f} ms ({t.ratio:.3f}x)"
+    q1, q3 = paired_quartiles(t, plain)
+    return f"{t.seconds * 1e3:.2f} ms ({t.ratio:.3f}x [{q1:.3f}, {q3:.3f}])"
+
+
 def main(argv: Sequence[str] | None = None) -> str:
     """Run the benchmark, print the markdown tables and return them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--models", default="mlp,cnn,resnet",
                         help="comma-separated subset of mlp, cnn, resnet")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 11)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time (default) or this process's CPU time")
+    parser.add_argument("--floor", action="store_true",
+                        help="add 'plain again' and the quartiles of every ratio")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     threads = torch.get_num_threads()
@@ -182,14 +211,16 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     models = [m for k, m in zip(keys, models) if k in wanted]
     mem_steps = args.memory_steps or (40 if args.quick else 2000)
 
+    variants = (VARIANTS[0], "plain again", *VARIANTS[1:]) if args.floor else VARIANTS
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rows = []
     for name, build in models:
         n_params = sum(p.numel() for p in build()[0].parameters())
         t = bench_model(name, build, device=device, rounds=rounds, steps=steps, warmup=warmup,
-                        quick=args.quick)
+                        quick=args.quick, variants=variants, clock=clock)
         rows.append([name, f"{n_params / 1e6:.2f}M", f"{t['plain'].seconds * 1e3:.2f} ms"] + [
-            f"{t[v].seconds * 1e3:.2f} ms ({t[v].ratio:.3f}x)" for v in VARIANTS[1:]])
-    timing = markdown_table(["model", "params", *VARIANTS], rows)
+            _cell(t[v], t["plain"], args.floor) for v in variants[1:]])
+    timing = markdown_table(["model", "params", *variants], rows)
 
     mem_rows = []
     for store in (False, True):
@@ -200,8 +231,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> str:
     memory = markdown_table(["history", f"RSS growth over {mem_steps} steps ({models[0][0]})", "per step"],
                             mem_rows)
     print(f"{machine(device)}; device {device}; median over {rounds} interleaved rounds of the "
-          f"step time (rounds of {steps} steps per variant), and (in brackets) the median over "
-          "rounds of its ratio to plain in the same round; "
+          f"step time ({'CPU' if args.clock == 'cpu' else 'wall'} clock; rounds of {steps} "
+          "steps per variant), and (in brackets) the median over rounds of its ratio to plain "
+          f"in the same round{' [first, third quartile]' if args.floor else ''}; "
           f"{'plain SGD' if args.quick else 'AdamW'}; monitor = default stats on every "
           "parameter gradient, every step\n")
     print(timing)

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradtap as gt
-from gradtap._monitor.history import MemoryRun, SeriesTable, StepRows
+from gradtap._monitor.history import MemoryRun
+from gradtap._monitor.rows import RowBuilder, SeriesTable
 from gradtap.errors import SelectionError
 from gradtap.store import KIND_NAMES, Run, RunWriter
 
@@ -175,13 +176,20 @@ def test_series_table_numbers_series_in_order_of_first_appearance():
     other = table.layout("update", ["a"], ["norm"])
     assert other.tolist() == [4] and table.take_new() == [(4, "a", "update", "norm")]
     assert table.take_new() == []
-    rows = StepRows(table)
+    rows = RowBuilder(table)
     rows.add("param_grad", ["b", "a"], {"norm": np.array([1.0, 2.0]), "mean": np.array([3.0, 4.0])})
     rows.add("update", ["a"], {"norm": np.array([5.0])})
     rows.add("param", ["a"], {})  # nothing to add
+    step = rows.finish(7)
     # each value goes with its series id (the order within a step is free)
-    assert sorted(zip(rows.ids().tolist(), rows.values().tolist())) == [
+    assert step.step == 7 and step.new_series == []
+    assert sorted(zip(step.ids.tolist(), step.values.tolist())) == [
         (0, 1.0), (1, 3.0), (2, 2.0), (3, 4.0), (4, 5.0)]
+    names, kinds, stats = step.labels()
+    assert sorted(zip(names, kinds, stats, step.values.tolist())) == [
+        ("a", "param_grad", "mean", 4.0), ("a", "param_grad", "norm", 2.0),
+        ("a", "update", "norm", 5.0), ("b", "param_grad", "mean", 3.0),
+        ("b", "param_grad", "norm", 1.0)]
 
 
 class _Net(nn.Module):

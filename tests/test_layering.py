@@ -14,7 +14,7 @@ PACKAGE = Path(gradtap.__file__).parent
 # Prefixes of dotted module names (relative to gradtap) -> (layer, capability group).
 LAYERS: list[tuple[str, float, str]] = [
     ("errors", 0, "base"), ("_types", 0, "base"), ("_tensorops", 0, "base"),
-    ("_registry", 0, "base"), ("_text", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
+    ("_registry", 0, "base"), ("_text", 0, "base"), ("_version", 0, "base"), ("functional", 0, "functional"), ("examples", 0, "base"),
     ("select", 1, "select"),
     ("record", 2, "record"), ("capture", 2.5, "capture"),
     ("_explain", 3, "explain"), ("curvature", 3, "curvature"),
@@ -91,4 +91,23 @@ def test_every_module_imports_by_its_dotted_path():
             obj = getattr(obj, part, None)
         if obj is not module:
             problems.append(f"{dotted}: the attribute path gives {type(obj).__name__}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_imports_the_package_root():
+    """Only the facade is ``gradtap`` itself: a module that imported the root (for
+    ``__version__``, say) would run every consumer's import from below them."""
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name == "":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                problems += [f"gradtap.{name}: import {a.name}" for a in node.names
+                             if a.name == "gradtap"]
+            elif isinstance(node, ast.ImportFrom) and node.module == "gradtap" and not node.level:
+                problems += [f"gradtap.{name}: from gradtap import {a.name}" for a in node.names
+                             if not (PACKAGE / a.name).is_dir()
+                             and not (PACKAGE / f"{a.name}.py").is_file()]
     assert not problems, "\n".join(problems)

@@ -269,3 +269,36 @@ def test_host_copy_hands_out_an_owned_buffer_without_copying_it():
     copy.run()
     theirs[0] = 7.0
     assert copy.get(h)[0] == 0.0  # the caller's tensor is copied
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_moment_plan_reduces_small_cpu_tensors_on_the_host_like_the_per_tensor_loop(exact):
+    """Small CPU tensors of a group are reduced on the host in float64 (they come last in the
+    plan's order): the fields of the per-tensor loop, NaN and Inf included, in any dtype."""
+    g = torch.Generator().manual_seed(3)
+
+    def draw() -> list[torch.Tensor]:
+        ts = [torch.randn(3000, generator=g) * 3, torch.randn(16, generator=g) + 100.0,
+              torch.randn(7, 3, generator=g).t(), torch.randn(1024, generator=g),
+              torch.randn(10, generator=g).to(torch.bfloat16), torch.randn(2048, generator=g),
+              torch.randn(20, generator=g).to(torch.bfloat16), torch.randn(5, generator=g),
+              torch.randn(8, generator=g)]
+        ts[7][2] = float("nan")
+        ts[8][0], ts[8][5] = float("inf"), float("-inf")
+        return ts
+
+    needs = ops.needs_for(ALL_STATS, exact_nonfinite=exact)
+    first = draw()
+    plan = ops.MomentPlan(first, needs)
+    # float32: 3000 and 2048 by kernels, then 16, 7x3, 1024, 5, 8 on the host; bfloat16: both
+    assert plan.order == [0, 5, 1, 2, 3, 7, 8, 4, 6]
+    for ts in (first, draw()):
+        ordered = [ts[i] for i in plan.order]
+        got = _plan_fields(plan, ordered)
+        want = host(ops.tensor_moments(ordered, needs, batched=False), len(ts))
+        assert sorted(got) == sorted(want.keys())
+        for f in got:
+            np.testing.assert_allclose(got[f], want[f], rtol=2e-6, err_msg=f)
+        np.testing.assert_array_equal(plan.count, [t.numel() for t in ordered])
+        if exact:
+            np.testing.assert_array_equal(got["nonfinite"], [0, 0, 0, 0, 0, 1, 2, 0, 0])

@@ -27,6 +27,7 @@ from gradtap._transform import (
     zclip,
     zero,
 )
+from gradtap._version import __version__ as __version__
 from gradtap.capture import Tap, tap
 from gradtap.curvature import hessian_trace, hvp, top_eigenvalue
 from gradtap.errors import (
@@ -41,8 +42,6 @@ from gradtap.functional.explicit import explicit_conv
 from gradtap.record import GradRecord
 from gradtap.select import select_modules, select_parameters
 from gradtap.store import Run, open_run
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Anomaly",

@@ -215,6 +215,11 @@ class Reduction:
         #: the reduced checksum pair (see :func:`layout_mismatch`), after :meth:`run`
         self.check: Tensor | None = None
 
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was queued yet."""
+        return not self._blocks
+
     def add_moments(self, count: np.ndarray, fields: Moments[Tensor] | Mapping[str, Tensor],
                     group: np.ndarray, keys: Sequence[str]) -> int:
         """Queue rows combined by ``group`` into ``len(keys)`` outputs (see

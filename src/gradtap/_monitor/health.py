@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from gradtap._monitor.gain import Gain
 from gradtap._monitor.gns import NoiseScale, SampleNorms
-from gradtap._monitor.history import StepRows
 from gradtap._monitor.options import GNS_STATS
+from gradtap._monitor.rows import RowBuilder
 from gradtap._tensorops import HostCopy
 from gradtap.capture import HookSet, ScalerWatch
 from gradtap.distributed import Reduction
@@ -88,7 +88,7 @@ class HealthStats:
     def queue(self, red: Reduction, copy: HostCopy, *, reduce: bool, world_size: int,
               grads: dict[str, Tensor], counts: dict[str, bool], loss: object,
               batch_size: int | Sequence[int] | None, device: torch.device
-              ) -> Callable[[StepRows], None] | None:
+              ) -> Callable[[RowBuilder], None] | None:
         """Queue the step's gain, noise scale and loss on ``red`` / ``copy``; return what adds
         their rows after the copy ran (``None`` when there is nothing). ``grads``: the step's
         unscaled gradients (local shards under FSDP2), of which those whose ``counts`` is true
@@ -101,7 +101,7 @@ class HealthStats:
         if gain is None and gns is None and value is None:
             return None
 
-        def add(rows: StepRows) -> None:
+        def add(rows: RowBuilder) -> None:
             if reduce and red.host_mismatch():
                 raise RuntimeError("ranks reduced different statistics: every rank must select "
                                    "the same tensors, run the same modules, and pass loss= "

@@ -1,7 +1,8 @@
-"""The Monitor's history: series ids, and a run kept in memory with the API of the store's.
+"""The Monitor's history kept in memory, with the API of the store's.
 
-A Monitor writes every computed step to one *sink*: a :class:`~gradtap.store.RunWriter` when
-it has a store, else a :class:`MemoryRun`. It reads back through one *view*: a
+A Monitor writes every computed step to one history, its first sink
+(:mod:`~gradtap._monitor.sinks`): a :class:`~gradtap.store.RunWriter` when it has a store,
+else a :class:`MemoryRun`. It reads back through one *view*: a
 :class:`~gradtap.store.Run` over the store, or the same :class:`MemoryRun`. ``MemoryRun``
 answers every query of ``Run`` (``frame``, ``arrays``, ``series``, ``histogram``, ``steps``,
 ``names``, ``meta``, ``ewma``, ...) with the same values, types and errors, so each query has
@@ -31,96 +32,7 @@ from gradtap.store import (
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["MemoryRun", "SeriesTable", "StepRows"]
-
-
-class SeriesTable:
-    """Ids of the series ``(name, kind, stat)``, numbered in order of first appearance.
-
-    The layout of a block of values (``names x stats`` of one kind, name-major) is cached, so a
-    step that looks like the last one costs no Python loop over its series.
-    """
-
-    def __init__(self) -> None:
-        self.series: list[tuple[str, str, str]] = []
-        self._ids: dict[tuple[str, str, str], int] = {}
-        self._new: list[tuple[int, str, str, str]] = []
-        self._layouts: dict[tuple[str, tuple[str, ...], tuple[str, ...]], np.ndarray] = {}
-        self._concat: dict[tuple[int, ...], np.ndarray] = {}
-        self._by_stat: dict[int, np.ndarray] = {}
-
-    def layout(self, kind: str, names: Sequence[str], stats: Sequence[str]) -> np.ndarray:
-        """Series ids [len(names) * len(stats)] of a block, name-major; new series are noted."""
-        key = (kind, tuple(names), tuple(stats))
-        ids = self._layouts.get(key)
-        if ids is None:
-            out = []
-            for name in names:
-                for stat in stats:
-                    sk = (name, kind, stat)
-                    i = self._ids.get(sk)
-                    if i is None:
-                        i = self._ids[sk] = len(self.series)
-                        self.series.append(sk)
-                        self._new.append((i, name, kind, stat))
-                    out.append(i)
-            ids = self._layouts[key] = np.array(out, dtype=np.int64)
-        return ids
-
-    def stat_major(self, ids: np.ndarray, n_stats: int) -> np.ndarray:
-        """The ids of a :meth:`layout` block in stat-major order (cached)."""
-        out = self._by_stat.get(id(ids))
-        if out is None:
-            out = self._by_stat[id(ids)] = np.ascontiguousarray(ids.reshape(-1, n_stats).T).reshape(-1)
-        return out
-
-    def concat(self, layouts: Sequence[np.ndarray]) -> np.ndarray:
-        """The ids of a step made of ``layouts`` (arrays from :meth:`layout`), cached."""
-        key = tuple(id(i) for i in layouts)  # layout arrays live in self._layouts: ids are stable
-        ids = self._concat.get(key)
-        if ids is None:
-            ids = self._concat[key] = (np.concatenate(layouts) if layouts
-                                       else np.zeros(0, dtype=np.int64))
-        return ids
-
-    def take_new(self) -> list[tuple[int, str, str, str]]:
-        """``(id, name, kind, stat)`` of the series first seen since the last call."""
-        new, self._new = self._new, []
-        return new
-
-
-class StepRows:
-    """The finished values and histograms of one step, block by block, for the sink."""
-
-    def __init__(self, table: SeriesTable) -> None:
-        self._table = table
-        self._layouts: list[np.ndarray] = []
-        self._values: list[np.ndarray] = []
-        self.hists: list[tuple[str, str, np.ndarray]] = []
-
-    def add(self, kind: str, names: Sequence[str], columns: dict[str, np.ndarray]) -> None:
-        """One block: ``columns[stat]`` holds one value per name."""
-        if not columns:
-            return
-        ids = self._table.layout(kind, names, list(columns))
-        self._layouts.append(self._table.stat_major(ids, len(columns)))
-        values = list(columns.values())
-        # a new array: values() may hand it out as the step's values
-        self._values.append(np.concatenate(values) if len(values) > 1 else values[0].copy())
-
-    def add_hists(self, kind: str, names: Sequence[str], counts: np.ndarray) -> None:
-        """Histogram counts [len(names), B] of one kind."""
-        self.hists += [(kind, n, c.astype(np.int64)) for n, c in zip(names, counts)]
-
-    def ids(self) -> np.ndarray:
-        """Series id of every value, in :meth:`values` order."""
-        return self._table.concat(self._layouts)
-
-    def values(self) -> np.ndarray:
-        """Every value of the step [R]."""
-        if len(self._values) == 1:
-            return self._values[0]
-        return np.concatenate(self._values) if self._values else np.zeros(0)
+__all__ = ["MemoryRun"]
 
 
 class MemoryRun:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gradtap._types import Selector
+from gradtap._version import __version__
 from gradtap.errors import StoreError
 
 __all__ = ["RESERVED", "run_meta"]
@@ -42,12 +43,10 @@ def run_meta(
             are left out).
         StoreError: ``extra`` is not JSON-serialisable (only with ``check``).
     """
-    import gradtap
-
     params = list(model.named_parameters())
     meta: dict[str, Any] = {
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime()),
-        "gradtap_version": gradtap.__version__,
+        "gradtap_version": __version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "world_size": world_size,

@@ -5,8 +5,10 @@ all: ``mon.step()`` reads ``p.grad`` / ``p`` and reduces every selected tensor i
 batched form with one device-to-host copy (:mod:`~gradtap._monitor.reducer`). Only
 ``grad_output`` (activation gradients) and ``local_grads=True`` (DDP gradients before their
 all-reduce) hook the model, through :mod:`gradtap.capture`; their hooks only launch device
-reductions, never sync with the host. Finished rows go to one history
-(:mod:`~gradtap._monitor.history`): the SQLite store, or a run in memory with the same API.
+reductions, never sync with the host. A computed step is one pipeline the Monitor owns
+(:mod:`~gradtap._monitor.step`); its rows go to the Monitor's sinks, the first of them the one
+history (:mod:`~gradtap._monitor.sinks`): the SQLite store, or a run in memory with the same
+API (:mod:`~gradtap._monitor.history`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gradtap import distributed
 from gradtap._monitor.ewma import GradEwma
 from gradtap._monitor.gns import GnsSource, LossReduction, SampleNorms
 from gradtap._monitor.health import HealthStats, gns_stats
-from gradtap._monitor.history import MemoryRun, SeriesTable
+from gradtap._monitor.history import MemoryRun
 from gradtap._monitor.meta import run_meta
 from gradtap._monitor.options import (
     DEFAULT_STATS,
@@ -35,10 +37,11 @@ from gradtap._monitor.options import (
 )
 from gradtap._monitor.reducer import Part, StepReducer
 from gradtap._monitor.sharded import Layouts
+from gradtap._monitor.sinks import HistorySink
 from gradtap._monitor.snapshots import Snapshots
 from gradtap._monitor.spikes import ZSCORE_BETA, ZScores
 from gradtap._monitor.split import Splits, check_split
-from gradtap._monitor.step import compute_step
+from gradtap._monitor.step import StepPipeline
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -57,7 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["DEFAULT_STATS", "KINDS", "Monitor"]
-
 
 
 class Monitor:
@@ -217,7 +219,6 @@ class Monitor:
         self._closed = False
         self._pending: list[Part] = []
         self._local: dict[str, Tensor] = {}
-        self._series = SeriesTable()
 
         self._hooks = HookSet()
         self._hooks.add_cleanup(sess.attach().detach)
@@ -258,6 +259,13 @@ class Monitor:
                                                       overwrite=overwrite)
             else:
                 self._sink = MemoryRun(run_info)
+            self._pipeline = StepPipeline(
+                kinds=self.kinds, stats=self.stats, params=self._params, model=model,
+                sharded=self._sharded, local_grads=local_grads, reducer=self._reducer,
+                moments=self._moments, layouts=self._layouts, splits=self._splits,
+                snapshots=self._snapshots, ewma=self._ewma, health=self._health,
+                zscores=self._zscores, amp=self._amp, session=sess, rank=self.rank,
+                world_size=self.world_size, sinks=[HistorySink(self._sink)])
         except BaseException:
             self._remove_hooks()
             raise
@@ -296,21 +304,20 @@ class Monitor:
             raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
         s = self._step
         try:
-            if self._active and self._nothing_to_read():
-                self._check_not_replaced()
+            if self._active and self._pipeline.run(s, pending=self._pending, local=self._local,
+                                                   loss=loss, batch_size=batch_size) is None:
                 warnings.warn(
                     f"Monitor.step() at step {s}: no selected tensor has a gradient (called "
                     "before backward, or after optimizer.zero_grad()?); nothing is stored for "
                     "this step", UserWarning, stacklevel=2)
-            elif self._active:
-                compute_step(self, s, loss, batch_size)
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
         finally:
-            self._reducer.end_step()
-            self._pending = []
-            self._local = {}
-            self._health.end_step()
+            self._pipeline.end_step()
+            if self._pending:
+                self._pending = []
+            if self._local:
+                self._local = {}
             if self._tap is not None:
                 self._tap.clear()
             self._step = s + 1
@@ -431,9 +438,9 @@ class Monitor:
                     self._sink.write_ewma(self._ewma.summaries())
                 elif status == "finished":
                     self._sink.write_ewma(self._ewma.summaries(self._layouts.ewma_summaries(
-                        [n for n, _ in self._params], self._device)))
+                        [n for n, _ in self._params], self._pipeline.device)))
         finally:
-            self._sink.close(status)
+            self._pipeline.close(status)
 
     def __enter__(self) -> Monitor:
         return self
@@ -474,33 +481,6 @@ class Monitor:
         return hook
 
     # -- one step -----------------------------------------------------------------------------
-
-    @property
-    def _device(self) -> torch.device:
-        """The device of the first selected parameter (CPU without any)."""
-        return next((distributed.local_tensor(p).device for _, p in self._params),
-                    torch.device("cpu"))
-
-    def _nothing_to_read(self) -> bool:
-        """Whether the Monitor watches gradients only and no selected one arrived this step."""
-        if {"param", "update"} & set(self.kinds) or self._pending or self._local or self._health.gain:
-            return False
-        return not any(p.grad is not None for _, p in self._params)
-
-    def _check_not_replaced(self) -> None:
-        """Raise when the model no longer holds the selected parameters (replaced after the
-        Monitor was built, as ``fully_shard`` does): their gradients would never come."""
-        model = self._model()
-        if model is None:
-            return
-        current = {id(p) for p in model.parameters()}
-        gone = [n for n, p in self._params if id(p) not in current]
-        if gone:
-            raise RuntimeError(
-                f"the model no longer holds the parameters this Monitor watches ({gone[0]}"
-                f"{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}): they were replaced "
-                "after it was built (fully_shard does this); build the Monitor after wrapping "
-                "the model")
 
     # -- helpers ------------------------------------------------------------------------------
 

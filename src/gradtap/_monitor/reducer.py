@@ -94,8 +94,9 @@ class StepReducer:
 
     def flush(self, copy: HostCopy) -> None:
         """Reduce what the step queued across ranks (at most two collectives) and queue the
-        results on ``copy``; call once per step, after the last job, before ``copy.run()``."""
-        if self._reduction is not None:
+        results on ``copy``; call once per step, after the last job, before ``copy.run()``.
+        Without a process group to reduce over, a reduction nothing was queued on is skipped."""
+        if self._reduction is not None and (self.reduce or not self._reduction.empty):
             self._reduction.run(copy, reduce=self.reduce)
 
     def end_step(self) -> None:
@@ -116,12 +117,16 @@ class StepReducer:
 
         The kind's :class:`~gradtap._tensorops.MomentPlan` is kept from step to step while its
         tensors keep their devices, dtypes and sizes."""
-        job = _Job(kind, names)
-        job.tensors = tensors
         signature = ops.MomentPlan.signature(tensors)
         plan = self._plans.get(kind)
         if plan is None or plan[0] != signature:
             plan = self._plans[kind] = (signature, ops.MomentPlan(tensors, self._needs))
+        order = plan[1].order
+        if order is not None:  # the plan's order (a step's rows may come in any order)
+            names = [names[i] for i in order]
+            tensors = [tensors[i] for i in order]
+        job = _Job(kind, names)
+        job.tensors = tensors
         job.count = plan[1].count
         job.gather = plan[1].queue(tensors, copy)
         if self.edges is not None:

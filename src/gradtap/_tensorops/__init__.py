@@ -8,6 +8,7 @@ Everything here works on plain tensors and knows nothing about modules or hooks.
 * :mod:`~gradtap._tensorops.ewma`       the elementwise EWMA of mean and variance
 * :mod:`~gradtap._tensorops.histograms` bin edges and batched bin counts
 * :mod:`~gradtap._tensorops.moments`    typed per-tensor moments and their device kernels
+* :mod:`~gradtap._tensorops.plan`       a reduction plan kept from step to step (``MomentPlan``)
 * :mod:`~gradtap._tensorops.finish`     moments to statistics on the host
 """
 
@@ -28,7 +29,6 @@ from gradtap._tensorops.moments import (
     STAT_NAMES,
     SUM_FIELDS,
     Centered,
-    MomentPlan,
     Moments,
     Needs,
     centered_moments,
@@ -37,6 +37,7 @@ from gradtap._tensorops.moments import (
     needs_for,
     tensor_moments,
 )
+from gradtap._tensorops.plan import MomentPlan
 
 __all__ = [
     "MAX_FIELDS",

@@ -46,7 +46,6 @@ from gradtap._tensorops.l2 import BLOCK, group_sumsq
 
 __all__ = [
     "MAX_FIELDS",
-    "MomentPlan",
     "STAT_NAMES",
     "SUM_FIELDS",
     "Centered",
@@ -383,8 +382,10 @@ class _Layout:
                              dtype=np.int64).reshape(len(self.slices), k)
         self._device_index: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def launch(self, ts: Sequence[Tensor], acc: torch.dtype) -> Tensor:
-        """Run the kernels over ``ts`` (this layout's tensors): the flat float64 buffer."""
+    def launch(self, ts: Sequence[Tensor], acc: torch.dtype, extra: Sequence[Tensor] = ()
+               ) -> Tensor:
+        """Run the kernels over ``ts`` (this layout's tensors): the flat float64 buffer of
+        :attr:`size` elements, followed by the elements of ``extra`` (1-d) if any."""
         needs = self.needs
         scalars: list[Tensor] = []
         rows: list[Tensor] = []
@@ -421,6 +422,7 @@ class _Layout:
         parts += rows
         if counts:  # exact in float64 (float32 would round counts above 2**24)
             parts.append(torch.stack(counts).to(torch.float64))
+        parts += extra
         if not parts:
             return torch.zeros(0, dtype=torch.float64, device=ts[0].device)
         flat = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -463,69 +465,6 @@ class _Layout:
 @lru_cache(maxsize=256)
 def _layout(numels: tuple[int, ...], needs: Needs, cpu: bool) -> _Layout:
     return _Layout(numels, needs, cpu)
-
-
-class MomentPlan:
-    """How to reduce one list of tensors (fixed devices, dtypes and sizes) step after step.
-
-    Made once for a list's signature (:meth:`signature`), it groups the tensors by device and
-    dtype, lays out each group's flat buffer (one stack and one host copy per group) and keeps
-    the element counts, so a step costs the kernels, one copy and a few numpy operations.
-
-    Args:
-        tensors: non-empty floating-point tensors.
-        needs: the fields to compute (:func:`needs_for`).
-
-    Example:
-        >>> import torch
-        >>> ts = [torch.ones(3), torch.arange(4.0)]
-        >>> plan = MomentPlan(ts, needs_for(["mean", "norm"]))
-        >>> copy = HostCopy()
-        >>> get = plan.queue(ts, copy)
-        >>> copy.run()
-        >>> {f: v.round(5).tolist() for f, v in get().items()}
-        {'sum': [3.0, 6.0], 'sumsq': [3.0, 14.0]}
-    """
-
-    def __init__(self, tensors: Sequence[Tensor], needs: Needs) -> None:
-        self.needs = needs
-        self.n = len(tensors)
-        self.count = np.array([t.numel() for t in tensors], dtype=np.float64)
-        self.groups: list[tuple[list[int], torch.dtype, _Layout]] = []
-        for (device, dtype), idx in group_by_device_dtype(tensors).items():
-            if not dtype.is_floating_point:
-                raise TypeError(f"statistics need floating-point tensors; got {dtype}")
-            layout = _layout(tuple(tensors[i].numel() for i in idx), needs, device.type == "cpu")
-            self.groups.append((idx, torch.promote_types(dtype, torch.float32), layout))
-        self._in_order = len(self.groups) == 1
-
-    @staticmethod
-    def signature(tensors: Sequence[Tensor]) -> tuple[Any, ...]:
-        """What a plan depends on: each tensor's device, dtype and element count."""
-        return tuple((t.device, t.dtype, t.numel()) for t in tensors)
-
-    def queue(self, tensors: Sequence[Tensor], copy: HostCopy) -> Callable[[], dict[str, np.ndarray]]:
-        """Launch the kernels over ``tensors`` and queue their buffers on ``copy``. Returns a
-        function that, after ``copy.run()``, gives each field as a float64 array [n]."""
-        handles = []
-        with torch.no_grad():  # as detached, without a detach per tensor
-            for idx, acc, layout in self.groups:
-                ts = tensors if self._in_order else [tensors[i] for i in idx]
-                handles.append(copy.add(layout.launch(ts, acc), owned=True))
-        if self._in_order:
-            layout, h = self.groups[0][2], handles[0]
-            return lambda: layout.host_fields(copy.get(h))
-
-        def gather() -> dict[str, np.ndarray]:
-            out: dict[str, np.ndarray] = {}
-            for (idx, _, layout), h in zip(self.groups, handles):
-                for f, v in layout.host_fields(copy.get(h)).items():
-                    if f not in out:
-                        out[f] = np.zeros(self.n)
-                    out[f][idx] = v
-            return out
-
-        return gather
 
 
 def _loop_moments(ts: list[Tensor], needs: Needs, acc: torch.dtype) -> Moments[Tensor]:
