@@ -52,7 +52,7 @@ class Step:
     # -- a call's record --------------------------------------------------------------------
 
     def add_call(self, owner: Owner, rec: GradRecord, names: dict[str, str], n: int,
-                 call: tuple[tuple, dict[str, Any]] | None) -> None:
+                 call: tuple[tuple, dict[str, Any], dict[str, Tensor]] | None) -> None:
         """Add the quantities of one call of ``owner`` (not owned) for ``names`` (relative ->
         qualified name); ``call``: its arguments as passed, for the fallback. A call whose
         split cannot be trusted marks them late instead (replayed at the end)."""

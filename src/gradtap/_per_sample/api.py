@@ -346,7 +346,16 @@ class PerSample:
     # -- lifecycle --------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every result and call count, ready for the next batch."""
+        """Forget every result and call count, ready for the next batch.
+
+        A forward made before and not yet through a backward stays pending: the results
+        after its backward are that backward's alone (and with ``own_grad`` its calls' share
+        of ``.grad`` is still written), as if the forward had come after the clear.
+        """
+        if self._calls.pending():
+            self._totals = Totals(self._spec)
+            self._step = Step(self._spec)
+            return
         self._tap.clear()
         self._reset()
 
@@ -451,7 +460,9 @@ def per_sample(
         UnsupportedModuleError: a module couples its samples (BatchNorm in training mode),
             or has no rule and ``fallback=False``; in backward, a replay that draws random
             numbers (dropout in training mode).
-        ValueError: a bad argument.
+        ValueError: a bad argument; a module is shared with an open ``per_sample`` of the
+            other kind (one with ``own_grad=True``, one without: the latter would see the
+            owned calls' parameters detached), or its calls are owned by another open one.
         GradtapError: when results are read, for parameters that no rule and no replay could
             give per-sample gradients (the message names each one, its module and why); with
             ``own_grad``, from backward, when an owned call's share of ``.grad`` could not be

@@ -71,10 +71,15 @@ class Calls:
         # every argument as passed, non-tensors included)
         self._own_frames: dict[tuple[str, int], Frame] = {}
         self._done = False
+        self._used = False  # a call of the model or of an owner ran in this group
 
     def group_over(self) -> bool:
         """Whether the next forward starts a new group (a backward went through this one)."""
         return self._done or self._outer_calls >= MAX_OUTER_CALLS
+
+    def pending(self) -> bool:
+        """Whether a forward ran in this group and no backward went through it yet."""
+        return self._used and not self._done
 
     def end_backward(self) -> None:
         """A backward went through the group: drop the output gradients it left."""
@@ -103,6 +108,7 @@ class Calls:
         if not new_use:
             self._stack.append((name, None))
             return
+        self._used = True
         outer = self.outside()
         if outer:
             self._outer_calls += 1
@@ -146,6 +152,7 @@ class Calls:
         """Call ``call`` of ``owner`` ran inside ``frames``: note its uses, and flag them when
         its own record cannot split them into samples."""
         name, spec = owner.name, self._spec
+        self._used = True
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
@@ -164,7 +171,7 @@ class Calls:
             self._covered[(name, call)] = covered
         reason = classify_call(owner, inputs, outputs, n, spec.batch_dim,
                                None if own is None or owner.entry is not None or n is None
-                               else own.split(n, spec.batch_dim))
+                               else own.split(n, spec.batch_dim, outputs))
         if reason is not None:
             self._flagged_calls.add((name, call))
             for q in quals:
@@ -191,12 +198,13 @@ class Calls:
                     names[rel] = qual
         return names
 
-    def arguments(self, rec: GradRecord) -> tuple[tuple, dict[str, Any]] | None:
+    def arguments(self, rec: GradRecord) -> tuple[tuple, dict[str, Any], dict[str, Tensor]] | None:
         """The arguments of the record's call as passed, when it was kept as its own frame
-        and nothing changed since (the fallback then replays it with them)."""
+        and nothing changed since (the fallback then replays it with them), and its integer
+        outputs by path."""
         frame = self._own_frames.get((rec.module_name, rec.call))
         return (None if frame is None or frame.changed() or frame.kwargs is None
-                else (cast(tuple, frame.args), frame.kwargs))
+                else (cast(tuple, frame.args), frame.kwargs, frame.index_outputs))
 
     def uses(self, qual: str) -> list[tuple[Frame, ...]]:
         """The enclosing calls of each call that used ``qual``; the model's own calls when no

@@ -100,11 +100,23 @@ class Packed(Slot):
 
     def __init__(self, seq: PackedSequence) -> None:
         self.rows = Rows(packed_rows(seq))
+        self.seq = seq
+
+    def made_like(self, batch_sizes: Tensor | None, unsorted: Tensor | None) -> bool:
+        """Whether a packed output with these fields holds the sequences as this one does."""
+        mine = self.seq.unsorted_indices
+        return (batch_sizes is not None and _equal(batch_sizes, self.seq.batch_sizes)
+                and ((unsorted is None and mine is None)
+                     or (unsorted is not None and mine is not None and _equal(unsorted, mine))))
 
     def take(self, t: PackedSequence, i: int) -> PackedSequence:
         data = self.rows.take(t.data, i)
         ones = torch.ones(data.shape[0], dtype=torch.int64)
         return PackedSequence(data, ones, None, None)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
 
 
 class Scalar(Slot):
@@ -272,6 +284,7 @@ class CallSplit:
         for key, value in [*keyed, *self.kwargs.items()]:
             _map(value, functools.partial(self._note, slot=named.get(key, "default")))
         self.vmappable = all(s is None or s.vmappable for s in self.slots)
+        self._packed: dict[str, Slot] = {}  # output path -> a packed argument's rows
 
     def _note(self, leaf: Any, slot: Slot | None | str) -> Any:
         if slot == "default":
@@ -310,8 +323,26 @@ class CallSplit:
         it = iter(xs)
         return self._each(lambda leaf, slot: _detached(leaf) if slot is None else next(it))
 
+    def note_outputs(self, outputs: dict[str, Tensor]) -> None:
+        """Find the outputs that are the data of a ``PackedSequence`` made like a packed
+        argument (same batch sizes and order: a custom recurrent layer's output): sample
+        ``i`` is that argument's ``i``-th sequence there too."""
+        packed = [s for s in self.slots if isinstance(s, Packed)]
+        if not packed:
+            return
+        for path, sizes in outputs.items():
+            head, dot, last = path.rpartition(".")
+            if last != "1":  # a packed output's batch sizes, beside its data at "...0"
+                continue
+            unsorted = outputs.get(f"{head}{dot}3")
+            slot = next((s for s in packed if s.made_like(sizes, unsorted)), None)
+            if slot is not None:
+                self._packed[f"{head}{dot}0"] = slot.rows
+
     def slot_of(self, path: str, t: Tensor) -> Slot:
         """Where output ``t`` at ``path`` (or its gradient) holds the samples, unchecked."""
+        if path in self._packed:
+            return self._packed[path]
         return Scalar() if t.dim() == 0 else self._output(path) or Dim(self.batch_dim)
 
     def output_slot(self, path: str, g: Tensor) -> Slot:
@@ -339,9 +370,13 @@ def _detached(leaf: Any) -> Any:
 
 
 def split_call(module: nn.Module, args: tuple | list, kwargs: dict[str, Any], n: int,
-               batch_dim: int) -> CallSplit:
-    """The samples of one call of ``module`` (see the module doc)."""
-    return CallSplit(module, args, kwargs, n, batch_dim)
+               batch_dim: int, outputs: dict[str, Tensor] | None = None) -> CallSplit:
+    """The samples of one call of ``module`` (see the module doc); ``outputs``: the call's
+    outputs by path (their integer tensors suffice), to find the packed ones."""
+    split = CallSplit(module, args, kwargs, n, batch_dim)
+    if outputs:
+        split.note_outputs(outputs)
+    return split
 
 
 def restore(module: nn.Module, nested: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from gradtap._per_sample.accumulate import Step
 from gradtap._per_sample.check import sums
 from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.owners import Owner, rows
+from gradtap._per_sample.owners import Owner, describe, rows
 from gradtap._per_sample.rule import OwnCall
 from gradtap._per_sample.spec import Spec
 from gradtap.capture import HookSet, current_backward, in_recomputation
@@ -41,6 +41,10 @@ OwnForward = Callable[[nn.Module, tuple, dict, OwnCall], Any]
 # Module -> the OwnGrad whose hooks may own its calls: one at a time, or a second one would
 # detach the parameters the first put back, and both would add the module's share to .grad.
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OwnGrad]] = weakref.WeakKeyDictionary()
+# Module -> every open per_sample whose parameters it holds (own_grad or not): a plain one
+# beside an owning one on the same module would see the owned calls' parameters detached.
+_USERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[OwnGrad]] = \
+    weakref.WeakKeyDictionary()
 
 
 def find_ownable(spec: Spec) -> dict[str, frozenset[str]]:
@@ -80,6 +84,7 @@ class OwnGrad:
     def __init__(self, spec: Spec, hooks: HookSet, enabled: bool) -> None:
         self._spec = spec
         self._hooks = hooks
+        self.enabled = enabled
         self.ownable = find_ownable(spec) if enabled else {}
         self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
         self._forwards: list[nn.Module] = []  # modules whose instance forward is a rule's
@@ -116,6 +121,7 @@ class OwnGrad:
             ValueError: another open ``per_sample(own_grad=True)`` owns calls of one of them
                 (both would detach its parameters and add its share to ``.grad``).
         """
+        self._check_neighbours()
         found = []
         for name in self.ownable:
             owner = self._spec.owners[name]
@@ -143,9 +149,49 @@ class OwnGrad:
         module.forward = forward
         self._forwards.append(module)
 
+    def _check_neighbours(self) -> None:
+        """Register this per_sample as a user of its modules, after checking that none of
+        them is shared with an open per_sample of the other kind (with and without
+        ``own_grad``): the one without it would see the parameters of the owned calls
+        detached, so neither could give right numbers.
+
+        Raises:
+            ValueError: naming the module and both per_samples.
+        """
+        mine = self.label
+        for name, owner in self._spec.owners.items():
+            users = _USERS.setdefault(owner.module, weakref.WeakSet())
+            for other in list(users):
+                if other is self or other.owning == self.owning:
+                    continue
+                raise ValueError(
+                    f"per_sample: {describe(name, owner.module)} is used by this {mine} and by an open {other.label}; with own_grad=True its calls "
+                    "use their parameters detached, so the one without it would get no "
+                    "gradient for them. Use one per_sample for both (the one with own_grad="
+                    "True gives the same per-sample results), or remove the other first "
+                    f"(leave its with block or call .remove() on it)")
+            users.add(self)
+        self._users = [o.module for o in self._spec.owners.values()]
+
+    @property
+    def owning(self) -> bool:
+        """Whether this per_sample owns calls (``own_grad=True`` with ownable parameters)."""
+        return bool(self.ownable)
+
+    @property
+    def label(self) -> str:
+        """``per_sample(own_grad=...)`` with its parameter count, for messages."""
+        return (f"per_sample(own_grad={self.enabled}) of {len(self._spec.params)} "
+                "parameter(s)")
+
     def remove(self) -> None:
         """The modules get back their forwards and their parameters, and are free to claim.
         Safe to call twice."""
+        for module in getattr(self, "_users", []):
+            users = _USERS.get(module)
+            if users is not None:
+                users.discard(self)
+        self._users = []
         for module in self._claimed:
             ref = _CLAIMS.get(module)
             if ref is not None and ref() is self:
