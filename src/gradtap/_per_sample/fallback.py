@@ -124,6 +124,7 @@ def replay_call(
     samples: slice | None = None,
     autocast: AutocastState | None = None,
     outputs: dict[str, Tensor] | None = None,
+    members: list[bool] | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``[n, *shape]`` of ``params`` through one call of ``module``.
 
@@ -145,6 +146,8 @@ def replay_call(
         autocast: the autocast settings of the original call.
         outputs: the call's integer outputs by path, where known (a packed output's batch
             sizes: ``layout.CallSplit.note_outputs``).
+        members: whether each argument was computed from the batch, where known
+            (``layout.split_call``).
 
     Returns:
         ``{name: [len(samples), *param.shape]}``.
@@ -153,7 +156,7 @@ def replay_call(
         CannotReplay: an output gradient has no row per sample, or the replay failed.
         UnsupportedModuleError: the forward draws random numbers.
     """
-    split = split_call(module, args, kwargs, n, batch_dim, outputs)
+    split = split_call(module, args, kwargs, n, batch_dim, outputs, members)
     slots = {path: split.output_slot(path, g) for path, g in grad_outputs.items()}
     sl = samples or slice(0, n)
     # The cotangent of each output on one sample: d s_n / d output; a 0-dim output (a value

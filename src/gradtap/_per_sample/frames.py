@@ -17,7 +17,8 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
-from gradtap._per_sample.layout import sample_count
+from gradtap._per_sample.layout import KeptCall, leaves, sample_count
+from gradtap._per_sample.membership import Membership
 from gradtap._per_sample.owners import Owner, batch_size_of, classify_call
 from gradtap._per_sample.spec import Spec
 from gradtap._per_sample.units import MAX_OUTER_CALLS, Frame, innermost_around
@@ -51,8 +52,9 @@ class Calls:
     """The running calls (kept from the start or the last clear) and one forward group's
     kept calls and flagged uses."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, membership: Membership) -> None:
         self._spec = spec
+        self._membership = membership
         self._stack: list[tuple[str, Frame | None]] = []
         self._frames: list[Frame] = []
         self.new_group()
@@ -112,7 +114,10 @@ class Calls:
         outer = self.outside()
         if outer:
             self._outer_calls += 1
-        frame = Frame(name, module, args, kwargs, outer, self.running())
+        m = self._membership
+        members = ([m.holds_samples(leaf) for leaf in leaves((args, kwargs))]
+                   if m.following else None)
+        frame = Frame(name, module, args, kwargs, outer, self.running(), members)
         self._stack.append((name, frame))
         self._frames.append(frame)
 
@@ -169,9 +174,11 @@ class Calls:
                    for q in spec.owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
+        m = self._membership
         reason = classify_call(owner, inputs, outputs, n, spec.batch_dim,
                                None if own is None or owner.entry is not None or n is None
-                               else own.split(n, spec.batch_dim, outputs))
+                               else own.split(n, spec.batch_dim, outputs),
+                               m.holds_samples if m.following else None)
         if reason is not None:
             self._flagged_calls.add((name, call))
             for q in quals:
@@ -198,13 +205,14 @@ class Calls:
                     names[rel] = qual
         return names
 
-    def arguments(self, rec: GradRecord) -> tuple[tuple, dict[str, Any], dict[str, Tensor]] | None:
+    def arguments(self, rec: GradRecord) -> KeptCall | None:
         """The arguments of the record's call as passed, when it was kept as its own frame
         and nothing changed since (the fallback then replays it with them), and its integer
         outputs by path."""
         frame = self._own_frames.get((rec.module_name, rec.call))
         return (None if frame is None or frame.changed() or frame.kwargs is None
-                else (cast(tuple, frame.args), frame.kwargs, frame.index_outputs))
+                else (cast(tuple, frame.args), frame.kwargs, frame.index_outputs,
+                      frame.members))
 
     def uses(self, qual: str) -> list[tuple[Frame, ...]]:
         """The enclosing calls of each call that used ``qual``; the model's own calls when no

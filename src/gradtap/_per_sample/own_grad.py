@@ -26,6 +26,7 @@ from gradtap._per_sample.accumulate import Step
 from gradtap._per_sample.check import sums
 from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
+from gradtap._per_sample.membership import Membership
 from gradtap._per_sample.owners import Owner, describe, rows
 from gradtap._per_sample.rule import OwnCall
 from gradtap._per_sample.spec import Spec
@@ -81,8 +82,10 @@ class OwnGrad:
     """The owned calls of one ``per_sample`` and their shares of ``.grad`` (none without
     ``own_grad``)."""
 
-    def __init__(self, spec: Spec, hooks: HookSet, enabled: bool) -> None:
+    def __init__(self, spec: Spec, hooks: HookSet, enabled: bool,
+                 membership: Membership | None = None) -> None:
         self._spec = spec
+        self._membership = membership
         self._hooks = hooks
         self.enabled = enabled
         self.ownable = find_ownable(spec) if enabled else {}
@@ -159,6 +162,7 @@ class OwnGrad:
             ValueError: naming the module and both per_samples.
         """
         mine = self.label
+        self._users = [o.module for o in self._spec.owners.values()]
         for name, owner in self._spec.owners.items():
             users = _USERS.setdefault(owner.module, weakref.WeakSet())
             for other in list(users):
@@ -171,7 +175,6 @@ class OwnGrad:
                     "True gives the same per-sample results), or remove the other first "
                     f"(leave its with block or call .remove() on it)")
             users.add(self)
-        self._users = [o.module for o in self._spec.owners.values()]
 
     @property
     def owning(self) -> bool:
@@ -208,7 +211,8 @@ class OwnGrad:
     def may_own(self, name: str, args: tuple, kwargs: dict[str, Any], n: int | None) -> bool:
         """Whether this call's selected parameters are used detached: a forward that builds a
         graph, one row per sample (``n``; ``None`` while per_sample replays) in the first
-        tensor argument, and a tensor argument that requires grad (so that the output still
+        tensor argument, computed from the batch where the forward is followed
+        (``membership``: a shared table with ``N`` rows is not), and a tensor argument that requires grad (so that the output still
         does). A checkpoint's recomputation in backward repeats the forward's choice (it must
         save the same tensors): a call of a module whose owned calls are still pending is
         owned again."""
@@ -218,7 +222,9 @@ class OwnGrad:
                 in_recomputation() and any(o == name for o, _ in self._calls)):
             return False
         tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
+        m = self._membership
         return (bool(tensors) and rows(tensors[0], self._spec.batch_dim) == n
+                and (m is None or not m.following or m.holds_samples(tensors[0]))
                 and any(t.requires_grad for t in tensors))
 
     def before(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],

@@ -49,10 +49,11 @@ class Frame:
     """One call of an enclosing module: its arguments, and later its output gradients."""
 
     __slots__ = ("name", "module", "args", "kwargs", "versions", "start", "autocast", "grads",
-                 "keep", "outer", "settled", "chain", "index_outputs")
+                 "keep", "outer", "settled", "chain", "index_outputs", "members")
 
     def __init__(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                 outer: bool, around: tuple[Frame, ...] = ()) -> None:
+                 outer: bool, around: tuple[Frame, ...] = (),
+                 members: list[bool] | None = None) -> None:
         self.name, self.module, self.outer = name, module, outer
         self.chain: tuple[Frame, ...] = (*around, self)  # the calls around it, outermost first
         self.args: tuple | None = args
@@ -63,6 +64,8 @@ class Frame:
         self.grads: dict[str, Tensor] = {}
         # The integer tensors it returned (a packed output's batch sizes and order), by path.
         self.index_outputs: dict[str, Tensor] = {}
+        # Whether each argument was computed from the batch (``membership``), if followed.
+        self.members = members
         self.keep = False
         self.settled = False
 
@@ -89,7 +92,8 @@ class Frame:
         outputs by path, where they are known (``layout.split_call``)."""
         if self.args is None or self.kwargs is None:
             return None
-        return split_call(self.module, self.args, self.kwargs, n, batch_dim, outputs)
+        return split_call(self.module, self.args, self.kwargs, n, batch_dim, outputs,
+                          self.members)
 
     def drop(self) -> None:
         self.args = self.kwargs = None
@@ -212,7 +216,7 @@ def replay_frames(frames: list[Frame], params: dict[str, Tensor], batch_dim: int
         assert frame.args is not None and frame.kwargs is not None  # kept frames keep them
         out = replay_call(module, name, frame.args, frame.kwargs, frame.grads, by_key,
                           batch_dim, n, scale, autocast=frame.autocast,
-                          outputs=frame.index_outputs)
+                          outputs=frame.index_outputs, members=frame.members)
         for k, g in out.items():
             total[k] = g if k not in total else total[k] + g
     return {q: total[keys[q]].detach() if keys[q] in total else p.new_zeros((n, *p.shape))
