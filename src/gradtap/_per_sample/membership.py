@@ -62,18 +62,25 @@ class _Follow(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         attr, token = self.attr, self.token
-        if any(_marked(a, attr, token) for a in args) or (
-                kwargs and any(_marked(v, attr, token) for v in kwargs.values())):
-            _mark(out, attr, token)
-            name = getattr(func, "__name__", "")
-            if args and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
-                         or name.startswith("__i")):
-                _mark(args[0], attr, token)  # written in place: it holds samples now
-            if "out" in kwargs:
-                _mark(kwargs["out"], attr, token)
+        # Written out (no helper, no generator): this runs for every op of the forward.
+        for a in args:
+            if isinstance(a, Tensor):
+                if getattr(a, attr, None) is token:
+                    break
+            elif isinstance(a, (list, tuple)) and _marked(a, attr, token):
+                break
+        else:
+            if not kwargs or not any(_marked(v, attr, token) for v in kwargs.values()):
+                return out
+        _mark(out, attr, token)
+        name = getattr(func, "__name__", "")
+        if args and (name == "__setitem__" or name.startswith("__i")
+                     or (name.endswith("_") and not name.startswith("_"))):
+            _mark(args[0], attr, token)  # written in place: it holds samples now
+        if kwargs and "out" in kwargs:
+            _mark(kwargs["out"], attr, token)
         return out
 
 
