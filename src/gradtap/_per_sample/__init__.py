@@ -3,7 +3,8 @@
 ``api`` holds the verb and :class:`PerSample`, which installs the hooks and hands each event
 to a collaborator: ``spec`` (the arguments, parameters and owners, resolved once; ``resolved``
 keeps that resolution for the next handle on an unchanged model), ``frames``
-(the calls kept for a replay), ``own_grad`` (``own_grad=True``'s detached calls and their
+(the calls kept for a replay), ``membership`` (which tensors of a forward were computed from
+the batch, followed op by op), ``own_grad`` (``own_grad=True``'s detached calls and their
 share of ``.grad``), ``accumulate`` (one backward's results and their sum), ``check`` (the
 sum check) and ``replays``. ``owners`` resolves which module owns each selected parameter
 and its rule entry; ``compute`` turns one record into the quantities asked; ``units`` holds

@@ -11,7 +11,6 @@ every backward since the start or the last ``clear()``, as ``.grad`` accumulates
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +18,7 @@ from torch import Tensor
 from gradtap._per_sample.check import checked_sums
 from gradtap._per_sample.compute import Compute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
+from gradtap._per_sample.layout import KeptCall
 from gradtap._per_sample.owners import Owner
 from gradtap._per_sample.results import results
 from gradtap._per_sample.sketch import pair
@@ -52,7 +52,7 @@ class Step:
     # -- a call's record --------------------------------------------------------------------
 
     def add_call(self, owner: Owner, rec: GradRecord, names: dict[str, str], n: int,
-                 call: tuple[tuple, dict[str, Any]] | None) -> None:
+                 call: KeptCall | None) -> None:
         """Add the quantities of one call of ``owner`` (not owned) for ``names`` (relative ->
         qualified name); ``call``: its arguments as passed, for the fallback. A call whose
         split cannot be trusted marks them late instead (replayed at the end)."""

@@ -37,6 +37,8 @@ from torch import Tensor, nn
 from gradtap._per_sample.accumulate import Step, Totals
 from gradtap._per_sample.check import check_sums
 from gradtap._per_sample.frames import Calls, samples_in, samples_of
+from gradtap._per_sample.layout import split_call
+from gradtap._per_sample.membership import Membership
 from gradtap._per_sample.own_grad import OwnForward, OwnGrad, lost_error
 from gradtap._per_sample.owners import check_module, describe, enclosing_modules
 from gradtap._per_sample.replays import Replays
@@ -83,7 +85,9 @@ class PerSample:
         self.own_grad = bool(own_grad)
         self._hooks = HookSet()
         self._hooks.add_cleanup(spec.session.attach().detach)
-        self._own = OwnGrad(spec, self._hooks, self.own_grad)
+        self._membership = Membership()
+        self._hooks.add_cleanup(self._membership.end)
+        self._own = OwnGrad(spec, self._hooks, self.own_grad, self._membership)
         self._replays = Replays(spec)
         self._busy = False  # per_sample computes: see _computing
         self._queued = False
@@ -115,6 +119,9 @@ class PerSample:
                 functools.partial(_call, me, "_before", name, module),
                 functools.partial(_call, me, "_after", name),
             )
+            # Always, so that a forward that raises stops being followed.
+            self._hooks.module_calls(module, None,
+                                     functools.partial(_call, me, "_leave", name), always=True)
         for name, module, forward in self._own.claim():
             if forward is not None:
                 self._own.replace_forward(module, functools.partial(_own_forward, me, name,
@@ -144,7 +151,7 @@ class PerSample:
         for owner in self._spec.owners.values():
             owner.calls = 0
             owner.seen = set()
-        self._calls = Calls(self._spec)
+        self._calls = Calls(self._spec, self._membership)
         self._own.clear()
         self._step = Step(self._spec)
 
@@ -175,7 +182,12 @@ class PerSample:
         if new_use and calls.outside():
             self._forward_starts()
             who = describe(name, module)
-            self._set_batch_size(who, samples_of(who, module, args, kwargs, self.batch_dim))
+            n = samples_of(who, module, args, kwargs, self.batch_dim)
+            self._set_batch_size(who, n)
+            self._membership.begin(name, split_call(module, args, kwargs, n,
+                                                    self.batch_dim).batched())
+        else:
+            self._membership.enter(name)
         calls.enter(name, module, args, kwargs, new_use)
 
     def _after(self, name: str, output: Any) -> None:
@@ -186,6 +198,9 @@ class PerSample:
                       functools.partial(_call, weakref.ref(self), "_on_frame_grad"))
         if self._calls.outside():
             self._calls.settle()
+
+    def _leave(self, name: str, _output: Any) -> None:
+        self._membership.leave(name)
 
     def _own_before(self, name: str, module: nn.Module, args: tuple,
                     kwargs: dict[str, Any]) -> None:
@@ -346,7 +361,16 @@ class PerSample:
     # -- lifecycle --------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every result and call count, ready for the next batch."""
+        """Forget every result and call count, ready for the next batch.
+
+        A forward made before and not yet through a backward stays pending: the results
+        after its backward are that backward's alone (and with ``own_grad`` its calls' share
+        of ``.grad`` is still written), as if the forward had come after the clear.
+        """
+        if self._calls.pending():
+            self._totals = Totals(self._spec)
+            self._step = Step(self._spec)
+            return
         self._tap.clear()
         self._reset()
 
@@ -451,7 +475,9 @@ def per_sample(
         UnsupportedModuleError: a module couples its samples (BatchNorm in training mode),
             or has no rule and ``fallback=False``; in backward, a replay that draws random
             numbers (dropout in training mode).
-        ValueError: a bad argument.
+        ValueError: a bad argument; a module is shared with an open ``per_sample`` of the
+            other kind (one with ``own_grad=True``, one without: the latter would see the
+            owned calls' parameters detached), or its calls are owned by another open one.
         GradtapError: when results are read, for parameters that no rule and no replay could
             give per-sample gradients (the message names each one, its module and why); with
             ``own_grad``, from backward, when an owned call's share of ``.grad`` could not be

@@ -79,7 +79,12 @@ def check_sums(spec: Spec, step: Step, n: int, owned: set[str],
                 pg = torch.zeros_like(spec.params[q] if inc is None else inc)
             pg, inc = (pg, torch.zeros_like(pg)) if inc is None else pair(sketches, q, pg, inc)
             rows[q] = (pg, inc, None)
+    # A gradient that no call gave anything to (a table read through ``.weight``) is not a
+    # rounding question: however small it is next to the others, it needs a replay.
+    given = (set(step.grad) | set(step.pg) | set(step.sums) | set(step.norm_sq)
+             | set(step.sum_sq) | set(step.total))
+    unseen = set(step.increments) - given - owned - skip
     return {q: (", ".join(repr(o) for o in spec.owners_of.get(q, ())) or "?",
                 "its per-sample gradients do not add up to its gradient in this backward "
                 "(is it used outside the calls of the modules that hold it?)")
-            for q in mismatches(rows, spec.params, c, step.largest)}
+            for q in mismatches(rows, spec.params, c, step.largest) | unseen}

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
+from gradtap._per_sample.layout import KeptCall
 from gradtap._per_sample.owners import Owner, rows
 from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
 from gradtap._per_sample.rules.linear import (
@@ -158,7 +159,7 @@ class PiecesCompute(Compute):
 
 class FallbackCompute(Compute):
     def __init__(self, owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
-                 batch_dim: int, n: int, call: tuple[tuple, dict[str, Any]] | None) -> None:
+                 batch_dim: int, n: int, call: KeptCall | None) -> None:
         self.owner, self.rec, self.scale, self.names = owner, rec, scale, names
         self.batch_dim, self.n, self.call = batch_dim, n, call
 
@@ -167,9 +168,10 @@ class FallbackCompute(Compute):
             module = self.owner.module
             every = dict(module.named_parameters())
             grads = {k: g for k, g in self.rec.grad_outputs.items() if g is not None}
-            return replay_call(module, self.owner.name, *self.call, grads,
+            args, kwargs, outputs, members = self.call
+            return replay_call(module, self.owner.name, args, kwargs, grads,
                                {k: every[k] for k in self.names}, self.batch_dim, self.n,
-                               self.scale, samples)
+                               self.scale, samples, outputs=outputs, members=members)
         return grad_fallback(self.owner.module, self.owner.name, self.rec.inputs,
                              self.rec.grad_outputs, self.names, self.batch_dim, self.scale,
                              samples, self.n)
@@ -202,7 +204,7 @@ class FallbackCompute(Compute):
 
 def compute_for(owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],
                 materialize: bool, n: int, bd: int,
-                call: tuple[tuple, dict[str, Any]] | None = None) -> Compute:
+                call: KeptCall | None = None) -> Compute:
     """How to compute the quantities of one record: its rule, its pieces or the fallback.
 
     ``scale`` turns the recorded output gradient into ``d s_n / d output``;

@@ -123,6 +123,8 @@ def replay_call(
     scale: float,
     samples: slice | None = None,
     autocast: AutocastState | None = None,
+    outputs: dict[str, Tensor] | None = None,
+    members: list[bool] | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``[n, *shape]`` of ``params`` through one call of ``module``.
 
@@ -142,6 +144,10 @@ def replay_call(
         scale: factor turning ``grad_outputs`` into per-sample output gradients.
         samples: only these samples (a chunk), default all.
         autocast: the autocast settings of the original call.
+        outputs: the call's integer outputs by path, where known (a packed output's batch
+            sizes: ``layout.CallSplit.note_outputs``).
+        members: whether each argument was computed from the batch, where known
+            (``layout.split_call``).
 
     Returns:
         ``{name: [len(samples), *param.shape]}``.
@@ -150,7 +156,7 @@ def replay_call(
         CannotReplay: an output gradient has no row per sample, or the replay failed.
         UnsupportedModuleError: the forward draws random numbers.
     """
-    split = split_call(module, args, kwargs, n, batch_dim)
+    split = split_call(module, args, kwargs, n, batch_dim, outputs, members)
     slots = {path: split.output_slot(path, g) for path, g in grad_outputs.items()}
     sl = samples or slice(0, n)
     # The cotangent of each output on one sample: d s_n / d output; a 0-dim output (a value

@@ -17,7 +17,8 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
-from gradtap._per_sample.layout import sample_count
+from gradtap._per_sample.layout import KeptCall, leaves, sample_count
+from gradtap._per_sample.membership import Membership
 from gradtap._per_sample.owners import Owner, batch_size_of, classify_call
 from gradtap._per_sample.spec import Spec
 from gradtap._per_sample.units import MAX_OUTER_CALLS, Frame, innermost_around
@@ -51,8 +52,9 @@ class Calls:
     """The running calls (kept from the start or the last clear) and one forward group's
     kept calls and flagged uses."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, membership: Membership) -> None:
         self._spec = spec
+        self._membership = membership
         self._stack: list[tuple[str, Frame | None]] = []
         self._frames: list[Frame] = []
         self.new_group()
@@ -71,10 +73,15 @@ class Calls:
         # every argument as passed, non-tensors included)
         self._own_frames: dict[tuple[str, int], Frame] = {}
         self._done = False
+        self._used = False  # a call of the model or of an owner ran in this group
 
     def group_over(self) -> bool:
         """Whether the next forward starts a new group (a backward went through this one)."""
         return self._done or self._outer_calls >= MAX_OUTER_CALLS
+
+    def pending(self) -> bool:
+        """Whether a forward ran in this group and no backward went through it yet."""
+        return self._used and not self._done
 
     def end_backward(self) -> None:
         """A backward went through the group: drop the output gradients it left."""
@@ -103,10 +110,14 @@ class Calls:
         if not new_use:
             self._stack.append((name, None))
             return
+        self._used = True
         outer = self.outside()
         if outer:
             self._outer_calls += 1
-        frame = Frame(name, module, args, kwargs, outer, self.running())
+        m = self._membership
+        members = ([m.holds_samples(leaf) for leaf in leaves((args, kwargs))]
+                   if m.following else None)
+        frame = Frame(name, module, args, kwargs, outer, self.running(), members)
         self._stack.append((name, frame))
         self._frames.append(frame)
 
@@ -146,6 +157,7 @@ class Calls:
         """Call ``call`` of ``owner`` ran inside ``frames``: note its uses, and flag them when
         its own record cannot split them into samples."""
         name, spec = owner.name, self._spec
+        self._used = True
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
@@ -162,9 +174,11 @@ class Calls:
                    for q in spec.owners[f.name].direct.values()}
         if covered & set(quals):
             self._covered[(name, call)] = covered
+        m = self._membership
         reason = classify_call(owner, inputs, outputs, n, spec.batch_dim,
                                None if own is None or owner.entry is not None or n is None
-                               else own.split(n, spec.batch_dim))
+                               else own.split(n, spec.batch_dim, outputs),
+                               m.holds_samples if m.following else None)
         if reason is not None:
             self._flagged_calls.add((name, call))
             for q in quals:
@@ -191,12 +205,14 @@ class Calls:
                     names[rel] = qual
         return names
 
-    def arguments(self, rec: GradRecord) -> tuple[tuple, dict[str, Any]] | None:
+    def arguments(self, rec: GradRecord) -> KeptCall | None:
         """The arguments of the record's call as passed, when it was kept as its own frame
-        and nothing changed since (the fallback then replays it with them)."""
+        and nothing changed since (the fallback then replays it with them), and its integer
+        outputs by path."""
         frame = self._own_frames.get((rec.module_name, rec.call))
         return (None if frame is None or frame.changed() or frame.kwargs is None
-                else (cast(tuple, frame.args), frame.kwargs))
+                else (cast(tuple, frame.args), frame.kwargs, frame.index_outputs,
+                      frame.members))
 
     def uses(self, qual: str) -> list[tuple[Frame, ...]]:
         """The enclosing calls of each call that used ``qual``; the model's own calls when no

@@ -16,7 +16,11 @@ A few torch layers keep samples elsewhere, whatever ``batch_dim`` says:
 * ``nn.EmbeddingBag`` with a flat input and ``offsets``: one sample per bag; sample ``i`` is
   its indices (and ``per_sample_weights``) with offsets ``[0]``.
 
-Any other argument that is a ``PackedSequence`` also has one sample per sequence. Slicing
+Any other argument that is a ``PackedSequence`` also has one sample per sequence, and so does
+an output ``PackedSequence`` made with the batch sizes and order of a packed argument (a
+recurrent layer written with cells: ``CallSplit.note_outputs``). An argument that the forward
+was followed through (``membership``) and that was not computed from the batch is shared,
+whatever its size along ``batch_dim``. Slicing
 along a dim is vectorizable (``torch.func.vmap``); the others are taken one sample at a time.
 """
 
@@ -33,7 +37,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from gradtap._per_sample.fallback_errors import CannotReplay
 
-__all__ = ["CallSplit", "Dim", "Rows", "Scalar", "Slot", "sample_count", "split_call"]
+__all__ = ["CallSplit", "Dim", "KeptCall", "Rows", "Scalar", "Slot", "sample_count", "split_call"]
 
 
 class Slot:
@@ -100,11 +104,23 @@ class Packed(Slot):
 
     def __init__(self, seq: PackedSequence) -> None:
         self.rows = Rows(packed_rows(seq))
+        self.seq = seq
+
+    def made_like(self, batch_sizes: Tensor | None, unsorted: Tensor | None) -> bool:
+        """Whether a packed output with these fields holds the sequences as this one does."""
+        mine = self.seq.unsorted_indices
+        return (batch_sizes is not None and _equal(batch_sizes, self.seq.batch_sizes)
+                and ((unsorted is None and mine is None)
+                     or (unsorted is not None and mine is not None and _equal(unsorted, mine))))
 
     def take(self, t: PackedSequence, i: int) -> PackedSequence:
         data = self.rows.take(t.data, i)
         ones = torch.ones(data.shape[0], dtype=torch.int64)
         return PackedSequence(data, ones, None, None)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
 
 
 class Scalar(Slot):
@@ -145,6 +161,10 @@ def _positional_names(module: nn.Module) -> list[str]:
 
 
 Layout = tuple[dict[str, Slot | None], Callable[[str], Slot | None], int]
+
+#: A kept call's arguments as passed, its integer outputs by path and, where the forward was
+#: followed, whether each argument was computed from the batch (``split_call``).
+KeptCall = tuple[tuple, dict[str, Any], dict[str, Tensor], list[bool] | None]
 
 
 def _rnn(module: nn.RNNBase, named: dict[str, Any]) -> Layout | None:
@@ -230,6 +250,11 @@ def sample_count(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> int 
     return None
 
 
+def leaves(obj: Any) -> list[Any]:
+    """Every tensor and ``PackedSequence`` leaf of nested arguments, in order."""
+    return _leaves(obj)
+
+
 def _leaves(obj: Any) -> list[Any]:
     out: list[Any] = []
 
@@ -259,7 +284,7 @@ class CallSplit:
     """One call's arguments split into samples, and the slots of its output gradients."""
 
     def __init__(self, module: nn.Module, args: tuple | list, kwargs: dict[str, Any], n: int,
-                 batch_dim: int) -> None:
+                 batch_dim: int, members: list[bool] | None = None) -> None:
         self.n, self.batch_dim = n, batch_dim
         self.args, self.kwargs = tuple(args), dict(kwargs)
         layout = _layout(module, self.args, kwargs)
@@ -271,7 +296,10 @@ class CallSplit:
         keyed = [(positional[i] if i < len(positional) else "", v) for i, v in enumerate(self.args)]
         for key, value in [*keyed, *self.kwargs.items()]:
             _map(value, functools.partial(self._note, slot=named.get(key, "default")))
+        if members is not None:  # not computed from the batch: shared, whatever its rows
+            self.slots = [s if m else None for s, m in zip(self.slots, members, strict=True)]
         self.vmappable = all(s is None or s.vmappable for s in self.slots)
+        self._packed: dict[str, Slot] = {}  # output path -> a packed argument's rows
 
     def _note(self, leaf: Any, slot: Slot | None | str) -> Any:
         if slot == "default":
@@ -286,6 +314,11 @@ class CallSplit:
             return Packed(leaf)
         slot = Dim(self.batch_dim)
         return slot if slot.rows(leaf) == self.n else None
+
+    def batched(self) -> list[Any]:
+        """The arguments (tensors, ``PackedSequence``s) that hold samples."""
+        return [leaf for leaf, slot in zip(_leaves((self.args, self.kwargs)), self.slots,
+                                           strict=True) if slot is not None]
 
     def _each(self, fn: Callable[[Any, Slot | None], Any]) -> tuple[tuple, dict[str, Any]]:
         slots = iter(self.slots)
@@ -310,8 +343,26 @@ class CallSplit:
         it = iter(xs)
         return self._each(lambda leaf, slot: _detached(leaf) if slot is None else next(it))
 
+    def note_outputs(self, outputs: dict[str, Tensor]) -> None:
+        """Find the outputs that are the data of a ``PackedSequence`` made like a packed
+        argument (same batch sizes and order: a custom recurrent layer's output): sample
+        ``i`` is that argument's ``i``-th sequence there too."""
+        packed = [s for s in self.slots if isinstance(s, Packed)]
+        if not packed:
+            return
+        for path, sizes in outputs.items():
+            head, dot, last = path.rpartition(".")
+            if last != "1":  # a packed output's batch sizes, beside its data at "...0"
+                continue
+            unsorted = outputs.get(f"{head}{dot}3")
+            slot = next((s for s in packed if s.made_like(sizes, unsorted)), None)
+            if slot is not None:
+                self._packed[f"{head}{dot}0"] = slot.rows
+
     def slot_of(self, path: str, t: Tensor) -> Slot:
         """Where output ``t`` at ``path`` (or its gradient) holds the samples, unchecked."""
+        if path in self._packed:
+            return self._packed[path]
         return Scalar() if t.dim() == 0 else self._output(path) or Dim(self.batch_dim)
 
     def output_slot(self, path: str, g: Tensor) -> Slot:
@@ -339,9 +390,16 @@ def _detached(leaf: Any) -> Any:
 
 
 def split_call(module: nn.Module, args: tuple | list, kwargs: dict[str, Any], n: int,
-               batch_dim: int) -> CallSplit:
-    """The samples of one call of ``module`` (see the module doc)."""
-    return CallSplit(module, args, kwargs, n, batch_dim)
+               batch_dim: int, outputs: dict[str, Tensor] | None = None,
+               members: list[bool] | None = None) -> CallSplit:
+    """The samples of one call of ``module`` (see the module doc); ``outputs``: the call's
+    outputs by path (their integer tensors suffice), to find the packed ones; ``members``:
+    for each tensor or ``PackedSequence`` argument (in ``leaves`` order), whether it was
+    computed from the batch (``membership``), where that is known."""
+    split = CallSplit(module, args, kwargs, n, batch_dim, members)
+    if outputs:
+        split.note_outputs(outputs)
+    return split
 
 
 def restore(module: nn.Module, nested: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from gradtap._per_sample.accumulate import Step
 from gradtap._per_sample.check import sums
 from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
 from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.owners import Owner, rows
+from gradtap._per_sample.membership import Membership
+from gradtap._per_sample.owners import Owner, describe, rows
 from gradtap._per_sample.rule import OwnCall
 from gradtap._per_sample.spec import Spec
 from gradtap.capture import HookSet, current_backward, in_recomputation
@@ -41,6 +42,10 @@ OwnForward = Callable[[nn.Module, tuple, dict, OwnCall], Any]
 # Module -> the OwnGrad whose hooks may own its calls: one at a time, or a second one would
 # detach the parameters the first put back, and both would add the module's share to .grad.
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OwnGrad]] = weakref.WeakKeyDictionary()
+# Module -> every open per_sample whose parameters it holds (own_grad or not): a plain one
+# beside an owning one on the same module would see the owned calls' parameters detached.
+_USERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[OwnGrad]] = \
+    weakref.WeakKeyDictionary()
 
 
 def find_ownable(spec: Spec) -> dict[str, frozenset[str]]:
@@ -77,9 +82,12 @@ class OwnGrad:
     """The owned calls of one ``per_sample`` and their shares of ``.grad`` (none without
     ``own_grad``)."""
 
-    def __init__(self, spec: Spec, hooks: HookSet, enabled: bool) -> None:
+    def __init__(self, spec: Spec, hooks: HookSet, enabled: bool,
+                 membership: Membership | None = None) -> None:
         self._spec = spec
+        self._membership = membership
         self._hooks = hooks
+        self.enabled = enabled
         self.ownable = find_ownable(spec) if enabled else {}
         self._swapped: list[tuple[str, list[tuple[nn.Module, str, Tensor]]]] = []
         self._forwards: list[nn.Module] = []  # modules whose instance forward is a rule's
@@ -116,6 +124,7 @@ class OwnGrad:
             ValueError: another open ``per_sample(own_grad=True)`` owns calls of one of them
                 (both would detach its parameters and add its share to ``.grad``).
         """
+        self._check_neighbours()
         found = []
         for name in self.ownable:
             owner = self._spec.owners[name]
@@ -143,9 +152,49 @@ class OwnGrad:
         module.forward = forward
         self._forwards.append(module)
 
+    def _check_neighbours(self) -> None:
+        """Register this per_sample as a user of its modules, after checking that none of
+        them is shared with an open per_sample of the other kind (with and without
+        ``own_grad``): the one without it would see the parameters of the owned calls
+        detached, so neither could give right numbers.
+
+        Raises:
+            ValueError: naming the module and both per_samples.
+        """
+        mine = self.label
+        self._users = [o.module for o in self._spec.owners.values()]
+        for name, owner in self._spec.owners.items():
+            users = _USERS.setdefault(owner.module, weakref.WeakSet())
+            for other in list(users):
+                if other is self or other.owning == self.owning:
+                    continue
+                raise ValueError(
+                    f"per_sample: {describe(name, owner.module)} is used by this {mine} and by an open {other.label}; with own_grad=True its calls "
+                    "use their parameters detached, so the one without it would get no "
+                    "gradient for them. Use one per_sample for both (the one with own_grad="
+                    "True gives the same per-sample results), or remove the other first "
+                    f"(leave its with block or call .remove() on it)")
+            users.add(self)
+
+    @property
+    def owning(self) -> bool:
+        """Whether this per_sample owns calls (``own_grad=True`` with ownable parameters)."""
+        return bool(self.ownable)
+
+    @property
+    def label(self) -> str:
+        """``per_sample(own_grad=...)`` with its parameter count, for messages."""
+        return (f"per_sample(own_grad={self.enabled}) of {len(self._spec.params)} "
+                "parameter(s)")
+
     def remove(self) -> None:
         """The modules get back their forwards and their parameters, and are free to claim.
         Safe to call twice."""
+        for module in getattr(self, "_users", []):
+            users = _USERS.get(module)
+            if users is not None:
+                users.discard(self)
+        self._users = []
         for module in self._claimed:
             ref = _CLAIMS.get(module)
             if ref is not None and ref() is self:
@@ -162,7 +211,8 @@ class OwnGrad:
     def may_own(self, name: str, args: tuple, kwargs: dict[str, Any], n: int | None) -> bool:
         """Whether this call's selected parameters are used detached: a forward that builds a
         graph, one row per sample (``n``; ``None`` while per_sample replays) in the first
-        tensor argument, and a tensor argument that requires grad (so that the output still
+        tensor argument, computed from the batch where the forward is followed
+        (``membership``: a shared table with ``N`` rows is not), and a tensor argument that requires grad (so that the output still
         does). A checkpoint's recomputation in backward repeats the forward's choice (it must
         save the same tensors): a call of a module whose owned calls are still pending is
         owned again."""
@@ -172,7 +222,9 @@ class OwnGrad:
                 in_recomputation() and any(o == name for o, _ in self._calls)):
             return False
         tensors = [t for _, t in flatten_tensors((args, kwargs), "a")]
+        m = self._membership
         return (bool(tensors) and rows(tensors[0], self._spec.batch_dim) == n
+                and (m is None or not m.following or m.holds_samples(tensors[0]))
                 and any(t.requires_grad for t in tensors))
 
     def before(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],

@@ -9,6 +9,7 @@ give per-sample gradients or the parameters need a replay of an enclosing call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,12 +185,21 @@ def batch_size_of(who: str, args: tuple, kwargs: dict[str, Any], batch_dim: int)
 
 
 def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Tensor],
-                  n: int | None, bd: int, split: CallSplit | None = None) -> str | None:
+                  n: int | None, bd: int, split: CallSplit | None = None,
+                  member: Callable[[Tensor], bool] | None = None) -> str | None:
     """Why this call's own record cannot give per-sample gradients, or ``None``.
 
     ``split``: the call's arguments split into samples, for a module without a rule: its
     outputs then need a row per sample where the call's layout puts them (``_per_sample.
-    layout``; a 0-dim output, reduced over the batch, is replayed on each sample alone)."""
+    layout``; a 0-dim output, reduced over the batch, is replayed on each sample alone).
+    ``member``: whether a tensor was computed from the batch (``membership``), where the
+    forward was followed: a rule's input, and an output, that was not is shared by all
+    samples whatever its rows (positions ``arange(T)`` with ``T == N``)."""
+
+    def shared(key: str, t: Tensor, what: str) -> str:
+        return (f"its {what} {key!r} of shape {tuple(t.shape)} is not computed from the "
+                "batch (shared by all samples: positions, a table, a buffer), so its "
+                "gradient does not split by sample")
 
     def wrong_rows(key: str, t: Tensor, what: str) -> str:
         found = rows(t, bd)
@@ -208,6 +218,8 @@ def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Te
             return "it was called without a tensor argument"
         if rows(inp, bd) != n:
             return wrong_rows(key, inp, "input")
+        if member is not None and not member(inp):
+            return shared(key, inp, "input")
         outputs = dict(list(outputs.items())[:1])
     # A module without a rule is replayed with its arguments: those without a row per
     # sample are shared, but every output needs one.
@@ -221,6 +233,8 @@ def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Te
                 return (f"its output {path!r} of shape {tuple(t.shape)} has "
                         f"{'no' if found is None else found} rows along dim {slot.dim} for {n} "
                         "samples")
+        if t.requires_grad and member is not None and not member(t) and rows(t, bd) == n:
+            return shared(path, t, "output")
         if t.requires_grad and rows(t, bd) != n:
             found = rows(t, bd)
             return (f"its output {path!r} of shape {tuple(t.shape)} has "

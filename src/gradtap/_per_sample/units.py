@@ -49,10 +49,11 @@ class Frame:
     """One call of an enclosing module: its arguments, and later its output gradients."""
 
     __slots__ = ("name", "module", "args", "kwargs", "versions", "start", "autocast", "grads",
-                 "keep", "outer", "settled", "chain")
+                 "keep", "outer", "settled", "chain", "index_outputs", "members")
 
     def __init__(self, name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                 outer: bool, around: tuple[Frame, ...] = ()) -> None:
+                 outer: bool, around: tuple[Frame, ...] = (),
+                 members: list[bool] | None = None) -> None:
         self.name, self.module, self.outer = name, module, outer
         self.chain: tuple[Frame, ...] = (*around, self)  # the calls around it, outermost first
         self.args: tuple | None = args
@@ -61,6 +62,10 @@ class Frame:
         self.start = sequence_mark()
         self.autocast = AutocastState.capture()
         self.grads: dict[str, Tensor] = {}
+        # The integer tensors it returned (a packed output's batch sizes and order), by path.
+        self.index_outputs: dict[str, Tensor] = {}
+        # Whether each argument was computed from the batch (``membership``), if followed.
+        self.members = members
         self.keep = False
         self.settled = False
 
@@ -81,11 +86,14 @@ class Frame:
                     "(a cache)")
         return None
 
-    def split(self, n: int, batch_dim: int) -> CallSplit | None:
-        """The call's arguments split into samples (``None`` once dropped)."""
+    def split(self, n: int, batch_dim: int,
+              outputs: dict[str, Tensor] | None = None) -> CallSplit | None:
+        """The call's arguments split into samples (``None`` once dropped); ``outputs``: its
+        outputs by path, where they are known (``layout.split_call``)."""
         if self.args is None or self.kwargs is None:
             return None
-        return split_call(self.module, self.args, self.kwargs, n, batch_dim)
+        return split_call(self.module, self.args, self.kwargs, n, batch_dim, outputs,
+                          self.members)
 
     def drop(self) -> None:
         self.args = self.kwargs = None
@@ -115,10 +123,18 @@ def watch_outputs(frame: Frame, output: Any, hooks: HookSet,
     """Call ``seen(frame, path, grad)`` with the gradient of each output made by the call
     from its uses after the call returned: uses inside the call (a hidden state the call also
     turned into logits) are not part of it, as for a record's ``grad_outputs``. A view, which
-    cannot carry a boundary node, is watched at its own node."""
-    for path, t in flatten_tensors(output, "output"):
-        if not frame.owns_output(t):
+    cannot carry a boundary node, is watched at its own node. A tensor returned at several
+    paths (a last hidden state also in the tuple of all of them) is watched at its first
+    path only: its gradient is that of every use, and a replay gives the cotangent to that
+    path alone, so it is not counted once per path."""
+    seen_ids: set[int] = set()
+    flat = flatten_tensors(output, "output")
+    frame.index_outputs = {p: t for p, t in flat
+                           if not (t.is_floating_point() or t.is_complex())}
+    for path, t in flat:
+        if not frame.owns_output(t) or id(t) in seen_ids:
             continue
+        seen_ids.add(id(t))
 
         def sink(g: Tensor, path: str = path) -> Tensor:
             seen(frame, path, g)
@@ -199,7 +215,8 @@ def replay_frames(frames: list[Frame], params: dict[str, Tensor], batch_dim: int
             continue
         assert frame.args is not None and frame.kwargs is not None  # kept frames keep them
         out = replay_call(module, name, frame.args, frame.kwargs, frame.grads, by_key,
-                          batch_dim, n, scale, autocast=frame.autocast)
+                          batch_dim, n, scale, autocast=frame.autocast,
+                          outputs=frame.index_outputs, members=frame.members)
         for k, g in out.items():
             total[k] = g if k not in total else total[k] + g
     return {q: total[keys[q]].detach() if keys[q] in total else p.new_zeros((n, *p.shape))
