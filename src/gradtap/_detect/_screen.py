@@ -13,7 +13,8 @@ A healthy step should cost little, so the screen keeps no records and walks no g
 * A call of one of the model's direct children made outside any call of the model (a model
   used through its own methods, ``decode(encode(x))``) is a top-level call too: its outputs
   and their gradients are screened the same way, and it is kept for a replay (not for a
-  plain ``nn.Sequential``, which is used through its forward: no hook on its children).
+  plain ``nn.Sequential``, which is used through its forward, nor for a compiled model: no
+  hook on their children).
 * Around each call of the model the screen also keeps the arguments (references), the RNG
   state and the autocast state (capture's replay kit): what a replay needs.
 * At the end of a backward that reached a screened output it reads, in one host copy, every
@@ -52,6 +53,7 @@ from gradtap.capture import (
     argument_tensors,
     compat,
     compiled_feature,
+    compiled_parts,
     in_recomputation,
     run_eagerly,
     session,
@@ -163,8 +165,11 @@ class Screen:
                 self.hooks.module_calls(module, None, functools.partial(self._screen_call, name))
         # The model's direct children, called outside any call of the model: top-level calls
         # too (a model trained through its own methods, as autoencoders are). A plain
-        # nn.Sequential is used through its forward: its children get no hook.
-        for name, child in ([] if type(root) is nn.Sequential else root.named_children()):
+        # nn.Sequential is used through its forward, and a compiled model's children run
+        # inside its compiled code (a hook there would break its graph): no hook on them.
+        used_directly = (type(root) is not nn.Sequential
+                         and not compiled_parts(model, root, [root]))
+        for name, child in (root.named_children() if used_directly else ()):
             self.hooks.module_calls(child, functools.partial(self._before, child, name),
                                     functools.partial(self._after, name))
         if modules:

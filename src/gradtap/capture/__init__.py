@@ -25,7 +25,8 @@ they use these names:
   gradient of this step, and whether it found an inf/NaN (``amp.py``);
 * :func:`compiled_feature`: which feature a tap on a compiled model serves, for the one
   warning saying that it runs eagerly; :func:`run_eagerly` for module hooks made without a
-  tap (``compiled.py``);
+  tap; :func:`compiled_parts`: the compiled code that would hide given modules
+  (``compiled.py``);
 * :func:`sequence_mark` and :func:`made_since`: whether a tensor was made after a point;
 * :func:`mark_boundary`: a node on a tensor that sees only the gradient of its later uses;
 * :func:`argument_tensors`: a call's tensor arguments named as the records name them;
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from gradtap.capture.amp import ScalerWatch, check_scaler, unscale
 from gradtap.capture.boundary import mark_boundary
-from gradtap.capture.compiled import compiled_feature, run_eagerly
+from gradtap.capture.compiled import compiled_feature, compiled_parts, run_eagerly
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
 from gradtap.capture.graph import made_since, sequence_mark
 from gradtap.capture.hookset import HookSet
@@ -71,6 +72,7 @@ __all__ = [
     "buffers_restored",
     "check_scaler",
     "compiled_feature",
+    "compiled_parts",
     "current_backward",
     "graph_nodes",
     "in_recomputation",
