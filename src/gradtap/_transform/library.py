@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_, group_by_device_dtype
+from gradtap._tensorops import ewma_init, ewma_update_, group_by_device_dtype, group_norms
 from gradtap._tensorops.sharded import centered_rows, is_sharded, local, rebuild, sumsq_whole
 from gradtap._transform.base import State, Transform, _mark_group_only, stateless
 from gradtap._types import is_int
@@ -136,7 +136,8 @@ def clip_norm(max_norm: float) -> Transform:
 
     The gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, computed
     as a clamped tensor factor (no host sync). The norm is taken in float32 or wider, with
-    ``torch._foreach_norm`` (the kernel ``torch.nn.utils.clip_grad_norm_`` uses). Over several tensors (``update_many``: with
+    ``torch._foreach_norm`` (:func:`gradtap._tensorops.group_norms`, the kernel
+    ``torch.nn.utils.clip_grad_norm_`` uses). Over several tensors (``update_many``: with
     ``when="step"``, and with ``when="accumulate"`` over the parameters each backward
     reached) one foreach norm and one ``torch._foreach_mul`` per device and dtype do them
     all, with the same result as one by one.
@@ -156,18 +157,18 @@ def clip_norm(max_norm: float) -> Transform:
     """
     bound = _positive("max_norm", "clip_norm", max_norm)
 
-    def clipped(group: list[Tensor]) -> list[Tensor]:
-        # One device and dtype: one foreach norm (also for one tensor, so that one by one and
-        # together give the same numbers on every device), one foreach multiply.
-        low = group[0].dtype in (torch.float16, torch.bfloat16)
-        n = torch._foreach_norm(group, 2, dtype=torch.float32 if low else None)
-        factors = (bound / (torch.stack(n) + _CLIP_EPS)).clamp_(max=1.0).to(group[0].dtype)
-        return list(torch._foreach_mul(group, list(factors.unbind())))
-
     def fn(grad: Tensor, param: Tensor | None) -> Tensor:
         if is_sharded(grad):
             return update_many([grad], [()], [param])[0][0]
-        return clipped([grad])[0]
+        norm = group_norms([grad])[0]
+        factor = (bound / (norm + _CLIP_EPS)).clamp_(max=1.0)
+        return grad * factor.to(grad.dtype)
+
+    def clipped(group: list[Tensor]) -> list[Tensor]:
+        # One device and dtype: one foreach norm, one foreach multiply (on CPU the same
+        # numbers as ``fn`` one by one, bit for bit).
+        factors = (bound / (group_norms(group) + _CLIP_EPS)).clamp_(max=1.0)
+        return list(torch._foreach_mul(group, list(factors.to(group[0].dtype).unbind())))
 
     def update_many(
         grads: Sequence[Tensor],
