@@ -256,16 +256,18 @@ def _order(names: Iterable[str], meta: dict[str, Any], kind: str) -> list[str]:
 class _SeriesReader:
     """One series at a time through ``Run.series()``, asked only for series the run holds.
 
-    Which ``(name, kind, stat)`` series exist comes from the run's series table
-    (``Run.arrays(names=[])`` returns it without reading a value); where that is not
-    available, a missing series is a ``KeyError`` of ``Run.series()``.
+    Which ``(name, kind, stat)`` series exist comes from the run's catalogue
+    (``Run.series_keys()``; an in-memory run's ``arrays(names=[])`` returns the same table
+    without reading a value); where neither is available, a missing series is a ``KeyError``
+    of ``Run.series()``.
     """
 
     def __init__(self, run: Run) -> None:
         self.run = run
         self.keys: set[tuple[str, str, str]] | None
         try:
-            table = run.arrays(names=[])[3]
+            keys = getattr(run, "series_keys", None)
+            table = keys() if keys is not None else run.arrays(names=[])[3]
             self.keys = {(str(n), str(k), str(s)) for n, k, s in table}
         except (TypeError, ValueError, LookupError, AttributeError):
             self.keys = None
