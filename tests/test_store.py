@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sqlite3
-import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pandas as pd
@@ -23,6 +20,8 @@ from gradtap.errors import StoreError
 from gradtap.export import export_tensorboard
 from gradtap.store import DB_NAME, SCHEMA_VERSION
 from gradtap.store._common import VALUES_NAME
+
+from tests._killed import printed_until_killed
 
 ALL_STATS = ops.STAT_NAMES
 KINDS = ("param_grad", "param", "update", "grad_cosine", "grad_output")
@@ -179,27 +178,7 @@ TRAIN = textwrap.dedent("""
 def test_sigkill_mid_training_loses_no_completed_step(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, text=True)
-    printed = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(printed) < 30 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            printed.append(int(line))
-        assert len(printed) >= 30, "the training script did not get going"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        rest = proc.stdout.read()
-        proc.stdout.close()
-    printed += [int(s) for s in rest.split()]
-    assert proc.returncode == -signal.SIGKILL
+    printed = printed_until_killed(script, tmp_path / "run", 30)
     run = gt.open_run(tmp_path / "run")
     assert run.status == "running"  # never closed
     steps = run.steps

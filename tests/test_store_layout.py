@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sqlite3
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pandas as pd
@@ -22,6 +18,8 @@ import gradtap as gt
 from gradtap.errors import StoreError
 from gradtap.store import DB_NAME, RunWriter
 from gradtap.store._common import VALUES_NAME, segment_name
+
+from tests._killed import printed_until_killed
 
 SERIES = [(i, f"layer{i // 2}.{'weight' if i % 2 == 0 else 'bias'}", "param_grad",
            ("norm", "absmax")[i // 10 % 2]) for i in range(20)]
@@ -230,27 +228,7 @@ KILLED = textwrap.dedent("""
 def test_sigkill_mid_chunk_loses_no_written_step(tmp_path):
     script = tmp_path / "write.py"
     script.write_text(KILLED)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, text=True)
-    printed = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(printed) < 200 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            printed.append(int(line))
-        assert len(printed) >= 200, "the writing script did not get going"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        rest = proc.stdout.read()
-        proc.stdout.close()
-    printed += [int(s) for s in rest.split()]
-    assert proc.returncode == -signal.SIGKILL
+    printed = printed_until_killed(script, tmp_path / "run", 200)
     run = gt.open_run(tmp_path / "run")
     steps = run.steps
     assert steps[: len(printed)] == printed and steps == list(range(len(steps)))
