@@ -138,7 +138,7 @@ def measure(tensors: int, steps: int, stats: tuple[str, ...], keep: Path | None)
                  for k in ("spike", "nan", "large")}
         return {"tensors": tensors, "steps": steps, "stats": ",".join(stats),
                 "values": tensors * steps * len(stats),
-                "store_mb": (run_dir / "run.db").stat().st_size / 1e6,
+                "store_mb": sum(f.stat().st_size for f in run_dir.iterdir()) / 1e6,
                 "write_s": t_write, "report_s": t_report, "page_mb": page.stat().st_size / 1e6,
                 "render_s": chromium_render_seconds(page), "planted_on_top": found}
     finally:
