@@ -27,6 +27,7 @@ from gradtap.errors import SelectionError, StoreError
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+    from gradtap._monitor.run_spikes import Spike
 
 __all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run",
            "set_run_meta"]
@@ -436,6 +437,20 @@ class Run:
         counts = np.stack([np.frombuffer(c, dtype="<i8") for _, c in rows]).astype(np.int64)
         return Histogram(np.asarray(edges, dtype=np.float64), counts,
                          np.array([s for s, _ in rows], dtype=np.int64))
+
+    def spikes(self, threshold: float | None = None, warmup: int | None = None) -> list[Spike]:
+        """The run's gradient spikes: each ``(step, parameter)`` whose stored gradient norm left
+        its own running baseline by more than ``threshold`` (a robust z-score of the log-norm;
+        default 6) after ``warmup`` values of its history (default 20), as
+        :class:`~gradtap.Spike`, by step then in backward order; ``first`` marks each step's
+        first. Exact definition: ``docs/semantics.md``, "Gradient spikes".
+
+        Raises:
+            ValueError: a bad ``threshold`` or ``warmup``.
+        """
+        from gradtap._monitor.run_spikes import spikes_of
+
+        return spikes_of(self, threshold, warmup)
 
     def histogram_names(self) -> list[tuple[str, str]]:
         """Sorted ``(kind, name)`` pairs that have histograms."""

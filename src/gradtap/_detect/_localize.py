@@ -15,7 +15,7 @@ from torch import nn
 
 from gradtap._detect._anomaly import LOSS
 from gradtap._detect._measure import Plan, innermost
-from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
+from gradtap._detect._messages import Found, param_spike_anomaly, unreproduced_anomaly
 from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, Spike
@@ -103,11 +103,11 @@ class Localizer:
             name = innermost(spikes, lambda s: s[1])[0][1]
             plan, note = None, ("the replay of this backward did not show this module's call: "
                                 "its norm is that of .grad at the end of the backward")
-        spike = spiking[name]
         module = self._modules[name]
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        anomaly = spike_anomaly(step, plan, [spike], tracker.mean(name), tracker.spike,
-                                module=(type(module).__name__, own), note=note)
+        anomaly = param_spike_anomaly(step, plan, name, tracker.hits[name], tracker.spike,
+                                      tracker.baseline(name), module=(type(module).__name__, own),
+                                      note=note)
         return [Found(anomaly, None if plan is None else (name, plan.call), module)]
 
     def _watch(self, options: WatchOptions, step: int) -> CallWatch:
@@ -138,4 +138,4 @@ def _replay_note(plan: Plan) -> str:
     norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
     return (f"found by a replay of the step: the gradient reaching its output "
             f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
-            f"EWMA of it (replay=False does): compare it with other steps' reports")
+            f"history of it (replay=False does): compare it with other steps' reports")
