@@ -238,8 +238,8 @@ class ReportData:
     summary: dict[str, float] = field(default_factory=dict)
     layers: list[LayerSummary] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # gradient spikes from the Monitor's zscore: {"step", "name" (the first tensor in backward
-    # order whose z crossed SPIKE_Z), "z", "count" (how many crossed)}, by step
+    # gradient spikes, exactly Run.spikes(): {"step", "name" (the step's first spiking tensor
+    # in backward order), "z" (its score), "count" (how many spiked)}, by step
     spikes: list[dict[str, Any]] = field(default_factory=list)
     # step -> the smallest clip_factor a spike rule applied at that step (only steps < 1)
     clipped: dict[int, float] = field(default_factory=dict)
@@ -320,7 +320,7 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
         raise _damaged(run, err) from err
     data = ReportData(path=run.path, meta=meta, steps=steps, ewma=ewma)
     try:
-        reader = _SeriesReader(run, ("norm", "nonfinite", "ratio", "zscore", "clip_factor"),
+        reader = _SeriesReader(run, ("norm", "nonfinite", "ratio", "clip_factor"),
                                ("param_grad", "grad_output", "update"))
         for kind in ("param_grad", "grad_output", "update"):
             if kind not in kinds:
@@ -338,7 +338,8 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
                     if r is not None:
                         data.ratios[name] = r
         if "param_grad" in kinds:
-            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"))
+            data.spikes, data.clipped = _spike_events(run, reader,
+                                                      _order(names, meta, "param_grad"))
         available = [n for k, n in hist_pairs if k == "param_grad"]
         if not available and hist_pairs:
             data.hist_kind = hist_pairs[0][0]
@@ -380,30 +381,23 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
     return data
 
 
-#: The z-score above which the report calls a gradient norm a spike (ZClip's default ``z``).
-SPIKE_Z = 2.5
-
-
-def _spike_events(reader: _SeriesReader, names: list[str]
+def _spike_events(run: Run, reader: _SeriesReader, names: list[str]
                   ) -> tuple[list[dict[str, Any]], dict[int, float]]:
-    """The steps where some tensor's gradient-norm z-score crossed :data:`SPIKE_Z`, each with
-    the first such tensor in backward order (the model's parameter order reversed: the
-    gradient nearest the loss is computed first), and the steps a spike rule clipped."""
-    crossed: dict[int, list[tuple[str, float]]] = {}
+    """The run's spikes (exactly ``Run.spikes()``), one entry per step with its first tensor
+    in backward order, and the steps a spike rule clipped."""
+    spikes: list[dict[str, Any]] = []
+    for s in run.spikes():
+        if s.first:
+            spikes.append({"step": s.step, "name": s.name, "z": s.score, "count": 1})
+        else:
+            spikes[-1]["count"] += 1
     clipped: dict[int, float] = {}
-    for name in reversed(names):
-        z = reader.get(name, "zscore", "param_grad")
-        if z is not None:
-            for step, value in zip(z[0].tolist(), z[1].tolist(), strict=True):
-                if value > SPIKE_Z:
-                    crossed.setdefault(int(step), []).append((name, float(value)))
+    for name in names:
         f = reader.get(name, "clip_factor", "param_grad")
         if f is not None:
             for step, value in zip(f[0].tolist(), f[1].tolist(), strict=True):
                 if value < 1.0:
                     clipped[int(step)] = min(clipped.get(int(step), 1.0), float(value))
-    spikes = [{"step": step, "name": hits[0][0], "z": hits[0][1], "count": len(hits)}
-              for step, hits in sorted(crossed.items())]
     return spikes, dict(sorted(clipped.items()))
 
 

@@ -149,7 +149,7 @@ def layer_table(data: ReportData) -> str:
 
 
 def spikes(data: ReportData) -> str:
-    """The gradient spikes the Monitor's z-scores show, each with the first layer to spike
+    """The run's gradient spikes (``Run.spikes()``), each step with its first tensor to spike
     (in backward order), and the steps a spike rule clipped."""
     if not data.spikes and not data.clipped:
         return ""
@@ -159,10 +159,12 @@ def spikes(data: ReportData) -> str:
             f"<tr><td>{e['step']}</td><td><code>{escape(e['name'])}</code></td>"
             f"<td>{e['z']:.2f}</td><td>{e['count']}</td>"
             f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in data.spikes)
-        out += ("<p>Steps where a gradient norm's z-score against its own history exceeded "
-                "2.5, with the first tensor (in backward order) to cross it: where the spike "
-                'started.</p><table class="data" id="spike-table"><thead><tr><th>step</th>'
-                "<th>first layer to spike</th><th>z</th><th>tensors above 2.5</th>"
+        out += ("<p>Steps where a tensor's gradient norm left its own running baseline by more "
+                "than the spike threshold (<code>Run.spikes()</code>: a robust z-score of the "
+                "log-norm, see docs/semantics.md), with the first tensor (in backward order) "
+                'to spike: where the spike started.</p><table class="data" id="spike-table">'
+                "<thead><tr><th>step</th><th>first layer to spike</th><th>score</th>"
+                "<th>tensors spiking</th>"
                 f"<th>smallest clip factor</th></tr></thead><tbody>{rows}</tbody></table>")
     if data.clipped:
         steps = ", ".join(f"{step} ({factor:.3g})" for step, factor in data.clipped.items())
