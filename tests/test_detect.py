@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import gradtap as gt
-from gradtap._tensorops.spikes import scores
 from gradtap._detect import (
     AnomalyWarning,
     Detector,
@@ -34,6 +33,7 @@ from gradtap._detect import (
 )
 from gradtap._detect._screen import Screen
 from gradtap._detect._watch import WatchOptions
+from gradtap._tensorops.spikes import scores
 from gradtap.capture import compat
 from tests._models import _MODULE_HOOK_DICTS, assert_no_hooks
 

@@ -54,7 +54,7 @@ def _reference(table: list[list[float]], warmup: int) -> list[list[float]]:
         if len(have) >= MIN_COMMON and len(commons) >= max(warmup, 3):
             c_score = common / _robust(commons[-WINDOW:])
         scored = []
-        for i, v in enumerate(row):
+        for i in range(n):
             if math.isnan(dev[i]) or len(xs[i]) < max(warmup, 3):
                 scored.append(math.nan)
                 continue

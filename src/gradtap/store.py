@@ -27,6 +27,7 @@ from gradtap.errors import SelectionError, StoreError
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
     from gradtap._monitor.run_spikes import Spike
 
 __all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run",

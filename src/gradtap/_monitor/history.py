@@ -30,6 +30,7 @@ from gradtap.store import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
     from gradtap._monitor.run_spikes import Spike
 
 __all__ = ["MemoryRun", "SeriesTable", "StepRows"]
