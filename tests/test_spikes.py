@@ -174,3 +174,40 @@ def test_first_is_the_earliest_in_backward_order():
     got = [(s.step, s.name, s.first) for s in run.spikes()]
     assert got == [(30, "b", True), (30, "a", False)]
     assert [s.name for s in run.spikes(threshold=1e6)] == []
+
+
+def _detect_run(inject: dict[int, str], steps: int = 120) -> list[gt.Anomaly]:
+    """Train a small regression with a decaying learning rate under ``detect(spike=True)``;
+    at each step of ``inject`` the named parameter's gradient is multiplied by 10 in that
+    step's backward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.99)
+    x = torch.randn(512, 6)
+    y = torch.sin(x[:, :3]) + 2.0
+    params = dict(net.named_parameters())
+    with gt.detect(net, spike=True, action="record") as det:
+        for step in range(steps):
+            i = torch.randint(0, 512, (32,))
+            opt.zero_grad()
+            hook = params[inject[step]].register_hook(lambda g: g * 10) if step in inject else None
+            nn.functional.mse_loss(net(x[i]), y[i]).backward()
+            if hook is not None:
+                hook.remove()
+            det.should_skip()
+            det.step()
+            opt.step()
+            sched.step()
+    return det.anomalies
+
+
+def test_detect_finds_x10_spikes_in_one_tensor_a_linear_bias_included():
+    inject = {40: "2.bias", 70: "0.weight", 90: "0.bias", 110: "2.weight"}
+    got = [(a.step, a.module_name, a.slot, a.kind, a.where) for a in _detect_run(inject)]
+    assert got == [(s, n.split(".")[0], n.split(".")[1], "spike", "param_grad")
+                   for s, n in inject.items()]
+
+
+def test_detect_reports_nothing_on_a_healthy_decaying_run():
+    assert _detect_run({}) == []
