@@ -91,8 +91,11 @@ class Localizer:
         plans = watch.plans
         spiking = {s[1]: s for s in spikes}
         self._one_event_per_step()
-        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
-            return watch.found
+        # A NaN/Inf in the gradients that the parameter gradients did not show is reported
+        # instead; one in a forward input (a causal mask's -inf) is no spike's cause.
+        found = [f for f in watch.found if f.anomaly.where != "forward"]
+        if found:
+            return found
         order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
         first = innermost(order, lambda ip: ip[1].name)
         if first:
