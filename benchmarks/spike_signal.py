@@ -223,7 +223,7 @@ def online_recall(res: Result, modules: dict[str, str]) -> tuple[int, int]:
     return hits, len(res.injected)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--trials", type=int, default=500, help="offline trials per run")
@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="100 steps, 50 trials")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.trials = 100, 50
     torch.set_num_threads(1)
@@ -260,7 +260,8 @@ def main() -> None:
         ["run", "tensors", "steps", "loss first/last", "Run.spikes() flagged steps (per 1,000)",
          "detect flagged steps (per 1,000)", "x10 recall, Run.spikes()",
          "x10 recall, detect (online)", "seconds"], rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -184,3 +184,16 @@ def test_per_sample_goal_rows_quick(capsys):
     assert all("| 1.000 [1.000, 1.000] |" in r for r in vmap_rows)  # its ratio to itself
     one = bench.main(["--quick", "--goals", "--dtype", "float64", "--threads", "1"])
     assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
+
+
+def test_spike_signal_quick(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert importlib.import_module("spike_signal").main(
+            ["--quick", "--cases", "regression"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| regression | 6 | 100 |" in out and "x10 recall, detect (online)" in out
