@@ -408,41 +408,41 @@ def test_detect_forward_nan_still_raises_under_a_scaler():
     assert det.anomalies[0].kind == "nan" and det.anomalies[0].where == "forward"
 
 
-def _growing_scale_steps(model: nn.Module, det: Detector, scaler: torch.amp.GradScaler,
+def _jumping_scale_steps(model: nn.Module, det: Detector, scaler: torch.amp.GradScaler,
                          x: torch.Tensor) -> None:
-    """Six SGD steps through ``scaler`` (its scale doubling each step), ``det.step()`` each."""
+    """Ten SGD steps through ``scaler``, its scale multiplied by 1024 before the last one,
+    ``det.step()`` each."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    for _ in range(6):
+    for step in range(10):
         scaler.scale(_loss(model, x)).backward()
         scaler.step(opt)
-        scaler.update()
+        scaler.update(scaler.get_scale() * 1024.0 if step == 8 else None)
         det.step()
         opt.zero_grad()
 
 
 def test_detect_spikes_on_unscaled_norms():
-    # The scale grows 2x every step (growth_interval=1): on scaled norms that is a spike of
-    # 2 each step; on unscaled ones the norms are those of a run without a scaler.
+    # The scale jumps 1024x at the last step: on scaled norms that is a spike; on unscaled
+    # ones the norms are those of a run without a scaler.
     model = _model(9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
-    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record",
-                    scaler=scaler)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10_000)
+    det = gt.detect(model, spike=True, warmup=3, action="record", scaler=scaler)
     x = torch.randn(8, 6)
-    _growing_scale_steps(model, det, scaler, x)
+    _jumping_scale_steps(model, det, scaler, x)
     assert det.anomalies == []
-    assert scaler.get_scale() == SCALE * 2 ** 6
-    mean, _ = det.spike_ewma("2", "param_grad")
+    assert scaler.get_scale() == SCALE * 1024
+    base = det.spike_baseline("2", "param_grad")
     g = _oracle(model, x)  # lr is small: the norm barely moves over the steps
-    direct = math.sqrt(float(g["2.weight"].norm()) ** 2 + float(g["2.bias"].norm()) ** 2)
-    assert mean == pytest.approx(direct, rel=0.05)
+    assert base["weight"] == pytest.approx(float(g["2.weight"].norm()), rel=0.05)
+    assert base["bias"] == pytest.approx(float(g["2.bias"].norm()), rel=0.05)
     det.remove()
 
 
-def test_detect_without_scaler_sees_the_growing_scale_as_spikes():
-    # The test above can fail: without scaler= the doubling scale is a spike.
+def test_detect_without_scaler_sees_the_jumping_scale_as_spikes():
+    # The test above can fail: without scaler= the 1024x scale is a spike.
     model = _model(9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
-    det = gt.detect(model, spike=1.5, warmup=2, spike_beta=0.5, action="record")
-    _growing_scale_steps(model, det, scaler, torch.randn(8, 6))
-    assert {a.kind for a in det.anomalies} == {"spike"}
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10_000)
+    det = gt.detect(model, spike=True, warmup=3, action="record")
+    _jumping_scale_steps(model, det, scaler, torch.randn(8, 6))
+    assert [(a.kind, a.step) for a in det.anomalies] == [("spike", 9)]
     det.remove()

@@ -199,3 +199,16 @@ def test_store_scale_quick(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 20 | 300 |"))
     assert row.count("|") == 15 and "read store: 20 tensors x 5 stats x 500 steps" in out
+
+
+def test_spike_signal_quick(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert importlib.import_module("spike_signal").main(
+            ["--quick", "--cases", "regression"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| regression | 6 | 100 |" in out and "x10 recall, detect (online)" in out

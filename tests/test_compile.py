@@ -125,7 +125,7 @@ _NO_BREAK: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Any]] = {
     "transform_step": lambda m, opt: gt.transform(
         m, {"*": gt.clip_global_norm(0.5)}, when="step", optimizer=opt),
     "detect": lambda m, opt: gt.detect(m),
-    "detect_spike": lambda m, opt: gt.detect(m, spike=10.0, warmup=0),
+    "detect_spike": lambda m, opt: gt.detect(m, spike=True, warmup=3),
 }
 
 

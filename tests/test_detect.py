@@ -13,6 +13,7 @@ import pickle
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from gradtap._detect import (
 )
 from gradtap._detect._screen import Screen
 from gradtap._detect._watch import WatchOptions
+from gradtap._tensorops.spikes import scores
 from gradtap.capture import compat
 from tests._models import _MODULE_HOOK_DICTS, assert_no_hooks
 
@@ -402,23 +404,14 @@ def _spike_net() -> nn.Sequential:
                          GradScaler(), nn.Linear(16, 3))
 
 
-def _naive_spikes(norms: list[dict[tuple[str, str], float]], spike: float, warmup: int,
-                  beta: float) -> tuple[list[tuple[int, str, str]], dict]:
-    """The EWMA of docs/semantics.md written as a plain float64 loop; a spiking value is not fed in."""
-    state: dict[tuple[str, str], list[float]] = {}
-    spikes = []
-    for step, values in enumerate(norms):
-        for key, v in values.items():
-            if key in state:
-                m, var, n = state[key]
-                if n >= max(warmup, 1) and v > spike * m:
-                    spikes.append((step, *key, v, spike * m))
-                    continue
-                d = v - m
-                state[key] = [m + (1 - beta) * d, beta * (var + (1 - beta) * d * d), n + 1]
-            else:
-                state[key] = [v, 0.0, 1]
-    return spikes, state
+def _oracle_spikes(norms: list[dict[tuple[str, str], float]], threshold: float,
+                   warmup: int) -> list[tuple[int, str, str]]:
+    """The (step, key) pairs the shared detector flags in the test's own float64 norms (the
+    detector itself is checked against a plain loop in tests/test_spikes.py)."""
+    keys = list(dict.fromkeys(k for values in norms for k in values))
+    table = np.array([[values.get(k, np.nan) for k in keys] for values in norms])
+    flagged = np.argwhere(scores(table, warmup) > threshold)
+    return [(int(t), *keys[i]) for t, i in flagged]
 
 
 def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
@@ -427,7 +420,8 @@ def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
     g = torch.Generator().manual_seed(0)
     norms = []
     skips = []
-    with gt.detect(net, spike=10.0, warmup=10, action="record") as det:
+    per_call = mode in ("eager", "deferred")
+    with gt.detect(net, spike=6.0, warmup=10, action="record") as det:
         for step in range(40):
             net[2].factor = 1000.0 if step == 30 else 1.0
             x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
@@ -440,33 +434,34 @@ def test_spike_in_one_layer_at_step_30_is_reported_for_that_layer_only(mode):
             F.cross_entropy(h, y).backward()
             values = {}
             for i, layer in enumerate(net):
-                values[(str(i), "grad_output")] = float(outs[i].grad.double().norm())
-                own = [p.grad.double().reshape(-1) for p in layer.parameters(recurse=False)]
-                if own:
-                    values[(str(i), "param_grad")] = float(torch.cat(own).norm())
+                own = {n: p.grad.double() for n, p in layer.named_parameters(recurse=False)}
+                if per_call:  # a module's norms: grad_output, direct parameters together
+                    values[(str(i), "grad_output")] = float(outs[i].grad.double().norm())
+                    if own:
+                        values[(str(i), "param_grad")] = float(torch.cat(
+                            [v.reshape(-1) for v in own.values()]).norm())
+                else:  # each direct parameter's own norm
+                    values.update({(str(i), n): float(v.norm()) for n, v in own.items()})
             norms.append(values)
             skips.append(det.should_skip())
             if not skips[-1]:
                 opt.step()
             opt.zero_grad()
             det.step()
-    spikes, state = _naive_spikes(norms, 10.0, 10, 0.9)
-    assert [s[:3] for s in spikes] == [(30, "2", "param_grad")]
+    flagged = _oracle_spikes(norms, 6.0, 10)
+    assert flagged == [(30, "2", "param_grad" if per_call else "weight")]
     assert [(a.step, a.module_name, a.kind, a.where, a.slot) for a in det.anomalies] == [
-        (30, "2", "spike", "param_grad", "weight,bias")]
+        (30, "2", "spike", "param_grad", "weight,bias" if per_call else "weight")]
     a = det.anomalies[0]
-    assert a.value == pytest.approx(spikes[0][3], rel=1e-5)
-    assert a.threshold == pytest.approx(spikes[0][4], rel=1e-5)
+    assert a.value == pytest.approx(norms[30][flagged[0][1:]], rel=1e-5)
+    assert a.threshold == 6.0
     assert skips == [step == 30 for step in range(40)]
-    for key, (m, var, _) in state.items():
-        if key[1] == "grad_output" and mode in ("model", "modules"):
-            # The default watch has no hook on the calls: parameter-gradient EWMAs only.
-            with pytest.raises(KeyError, match="parameter-gradient norms only"):
-                det.spike_ewma(*key)
-            continue
-        got_m, got_v = det.spike_ewma(*key)
-        assert got_m == pytest.approx(m, rel=1e-5)
-        assert got_v == pytest.approx(var, rel=1e-4, abs=1e-12)
+    base = det.spike_baseline("2")
+    assert base and all(v > 0 for v in base.values())
+    if not per_call:
+        # The default watch has no hook on the calls: parameter-gradient norms only.
+        with pytest.raises(KeyError, match="parameter-gradient norms only"):
+            det.spike_baseline("2", "grad_output")
 
 
 def test_a_grad_output_spike_is_reported_once_where_it_enters(mode):
@@ -502,14 +497,14 @@ def test_a_grad_output_spike_is_reported_once_where_it_enters(mode):
     assert f"has norm {oracle:.4g} in this step" in a.message
 
 
-def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
+def test_no_anomaly_in_300_healthy_training_steps_with_spike_on(mode):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64),
                         nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(4, 20, generator=g) * 2
-    with gt.detect(net, spike=10.0) as det:
+    with gt.detect(net, spike=True) as det:
         for _ in range(300):
             y = torch.randint(0, 4, (32,), generator=g)
             x = centers[y] + torch.randn(32, 20, generator=g)
@@ -519,9 +514,9 @@ def test_no_anomaly_in_300_healthy_training_steps_with_spike_10(mode):
             opt.zero_grad()
             det.step()
     assert det.anomalies == [] and det.steps_done == 300
-    assert det.spike_ewma("2", "param_grad")[0] > 0
-    if mode in ("eager", "deferred"):  # the per-call watch keeps grad_output EWMAs too
-        assert det.spike_ewma("3", "grad_output")[0] > 0
+    assert det.spike_baseline("2", "param_grad")
+    if mode in ("eager", "deferred"):  # the per-call watch keeps grad_output histories too
+        assert det.spike_baseline("3", "grad_output")
 
 
 @pytest.mark.parametrize("fault", ["spike", "nan"])
@@ -538,24 +533,19 @@ def test_spikes_and_nans_in_a_large_parameter_gradient_under_the_default_watch(f
             net[1].factor = (float("nan") if fault == "nan" else 100.0) if step == 8 else 1.0
             x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
             F.cross_entropy(net(x), y).backward()
-            norms.append({(str(i), "param_grad"): float(torch.cat(
-                [p.grad.double().reshape(-1) for p in net[i].parameters()]).norm())
-                for i in (0, 1, 3)})
+            norms.append({(str(i), n): float(p.grad.double().norm())
+                          for i in (0, 1, 3) for n, p in net[i].named_parameters()})
             assert det.should_skip() == (step == 8)
             net.zero_grad()
             det.step()
     got = [(a.step, a.module_name, a.kind, a.where) for a in det.anomalies]
     if fault == "nan":
         assert got == [(8, "1", "nan", "param_grad")]
-        norms[8] = {}  # a non-finite step feeds no EWMA
+        norms[8] = {}  # a non-finite step enters no history
     else:
-        spikes, _ = _naive_spikes(norms, 10.0, 5, 0.9)
-        assert [s[:3] for s in spikes] == [(8, "1", "param_grad")]
+        assert _oracle_spikes(norms, 6.0, 5) == [(8, "1", "weight")]
         assert got == [(8, "1", "spike", "param_grad")]
-        assert det.anomalies[0].value == pytest.approx(spikes[0][3], rel=1e-5)
-    _, state = _naive_spikes(norms, 10.0, 5, 0.9)
-    for key, (m, var, _) in state.items():
-        assert det.spike_ewma(*key) == pytest.approx((m, var), rel=1e-4, abs=1e-12)
+        assert det.anomalies[0].value == pytest.approx(norms[8][("1", "weight")], rel=1e-5)
 
 
 def test_healthy_steps_with_spike_install_no_per_module_hook_and_no_tap(monkeypatch):
@@ -757,15 +747,13 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError,
                        match="action must be one of 'raise', 'warn', 'record'; got 'log'"):
         gt.detect(net, action="log")
-    for bad in (0.5, 1.0, True, math.inf, "10"):
-        with pytest.raises(ValueError, match="spike must be None or a finite factor > 1"):
+    for bad in (0.0, -1.0, math.inf, "10"):
+        with pytest.raises(ValueError, match="spike must be None, True .* or a finite score"):
             gt.detect(net, spike=bad)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+    for bad in (-1, 2, 1.5, True):
+        with pytest.raises(ValueError, match="warmup must be None or an int >= 3"):
             gt.detect(net, warmup=bad)
-    with pytest.raises(ValueError, match="spike_beta must be a factor with 0 <= beta < 1"):
-        gt.detect(net, spike=10.0, spike_beta=1.0)
-    with pytest.raises(ValueError, match="nothing to detect: nonfinite=False and spike=None"):
+    with pytest.raises(ValueError, match="nothing to detect: nonfinite=False and no spike="):
         gt.detect(net, nonfinite=False)
     gt.detect(net, spike=10.0, replay=True, screen="modules").remove()  # spikes need no hook
     with pytest.raises(ValueError, match="replay must be None, True or False; got 1"):
@@ -783,8 +771,8 @@ def test_invalid_arguments_raise_clear_errors(tmp_path):
     with gt.detect(net, spike=10.0) as det:
         with pytest.raises(TypeError, match="check_loss\\(\\) needs a Tensor; got float"):
             det.check_loss(1.0)
-        with pytest.raises(KeyError, match="no spike EWMA for module '0' kind 'param_grad'"):
-            det.spike_ewma("0")
+        with pytest.raises(KeyError, match="no spike baseline for module '0' kind 'param_grad'"):
+            det.spike_baseline("0")
     assert_no_hooks(net)
 
 

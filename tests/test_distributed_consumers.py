@@ -300,12 +300,12 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     # Spikes: norms of each rank's shard of the reduced gradient; a loss 1000x larger on
     # rank 1 at the last step spikes every rank's shard.
     skips = []
-    with gt.detect(net, action="record", spike=5.0, warmup=2) as det:
-        for s in range(4):
+    with gt.detect(net, action="record", spike=5.0, warmup=3) as det:
+        for s in range(7):
             x_all, y_all = _data(world, s)
             x, y = x_all[rank * BATCH:(rank + 1) * BATCH], y_all[rank * BATCH:(rank + 1) * BATCH]
             net.zero_grad()
-            _loss(net(x), y * (1000.0 if s == 3 and rank == 1 else 1.0)).backward()
+            _loss(net(x), y * (1000.0 if s == 6 and rank == 1 else 1.0)).backward()
             skips.append(det.should_skip())
             det.step()
     result["spike_skips"] = skips
@@ -381,8 +381,8 @@ def test_fsdp2_records_transforms_and_detect():
         assert r["skip"] is True
         found = [a for a in r["anomalies"] if a["rank"] == 1]
         assert len(found) == 1 and found[0]["kind"] == "nan", r["anomalies"]
-        assert r["spike_skips"] == [False, False, False, True]
-        assert sorted(r["spikes"]) == [["spike", 0, 3], ["spike", 1, 3]]
+        assert r["spike_skips"] == [False] * 6 + [True]
+        assert sorted(r["spikes"]) == [["spike", 0, 6], ["spike", 1, 6]]
         pl = r["placements"]
         assert pl["sumsq"] == pytest.approx([pl["want_sumsq"]] * 2, rel=1e-6)
         assert pl["centered"] < 1e-6 and pl["clipped"] < 1e-6

@@ -14,7 +14,7 @@ CONTRACT = {
     "convolution": {"functional", "explicit_conv", "hvp", "hessian_trace", "top_eigenvalue"},
     "detect": {"detect", "Detector", "Anomaly", "GradientAnomaly", "load_dump"},
     "per_sample": {"per_sample", "UnsupportedModuleError"},
-    "monitor": {"Monitor", "Run", "open_run", "to_tensorboard", "StoreError"},
+    "monitor": {"Monitor", "Run", "open_run", "to_tensorboard", "StoreError", "Spike"},
     "transforms": {"Transform", "add_noise", "centralize", "chain", "clip_global_norm",
                    "clip_norm", "clip_value", "ewma", "flip", "normalize", "scale", "stateless",
                    "transform", "TransformHandle", "zero"},

@@ -20,7 +20,6 @@ from gradtap.errors import StoreError
 from gradtap.export import export_tensorboard
 from gradtap.store import DB_NAME, SCHEMA_VERSION
 from gradtap.store._common import VALUES_NAME
-
 from tests._killed import printed_until_killed
 
 ALL_STATS = ops.STAT_NAMES

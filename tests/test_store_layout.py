@@ -18,7 +18,6 @@ import gradtap as gt
 from gradtap.errors import StoreError
 from gradtap.store import DB_NAME, RunWriter
 from gradtap.store._common import VALUES_NAME, segment_name
-
 from tests._killed import printed_until_killed
 
 SERIES = [(i, f"layer{i // 2}.{'weight' if i % 2 == 0 else 'bias'}", "param_grad",

@@ -4,6 +4,7 @@ from gradtap import functional
 from gradtap._detect import Anomaly, Detector, detect, load_dump
 from gradtap._explain import Explanation, explain
 from gradtap._monitor import Monitor
+from gradtap._monitor.run_spikes import Spike
 from gradtap._per_sample import PerSample, per_sample
 from gradtap._transform import (
     Transform,
@@ -54,6 +55,7 @@ __all__ = [
     "PerSample",
     "Run",
     "SelectionError",
+    "Spike",
     "StoreError",
     "Tap",
     "Transform",

@@ -91,9 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
                    help="plant a NaN in block2's forward at STEP to show detection; that "
                         "optimizer step is skipped and training goes on")
-    p.add_argument("--spike", type=float, default=None, metavar="FACTOR",
-                   help="also record gradient-norm spikes above FACTOR times their EWMA "
-                        "(e.g. 10; needs gradtap.detect)")
+    p.add_argument("--spike", type=float, default=None, metavar="SCORE",
+                   help="also record gradient-norm spikes scoring above SCORE against their "
+                        "own baseline (a robust z-score of the log-norm; 6 is detect's "
+                        "default; needs gradtap.detect)")
     p.add_argument("--inject-spike", type=_step_list, default=None, metavar="STEP[,STEP...]",
                    help="run the spike-control demo instead: a small transformer LM on a "
                         "generated grammar, with one layer's gradient multiplied by 1000 at "

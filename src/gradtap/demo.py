@@ -143,8 +143,9 @@ def run_demo(
         threads: torch intra-op threads while training (restored afterwards); one is fastest
             for tensors this small and avoids oversubscribing a busy machine. ``None`` keeps
             the current setting.
-        spike: also report gradient-norm spikes above ``spike`` times their EWMA (recorded
-            only; they do not skip the optimizer step).
+        spike: also report gradient-norm spikes scoring above ``spike`` against their own
+            baseline (``gt.detect(spike=...)``; recorded only, they do not skip the optimizer
+            step).
         progress: called after every step with ``(step, steps, loss, grad_norm)``.
 
     Returns:

@@ -33,6 +33,7 @@ from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, SpikeTracker
 from gradtap._detect._watch import CallWatch, WatchOptions
 from gradtap._tensorops.sharded import is_sharded, world
+from gradtap._tensorops.spikes import THRESHOLD, WARMUP
 from gradtap._types import Selector
 from gradtap.capture import HookSet, ScalerWatch, check_scaler, compiled_feature, session
 from gradtap.errors import GradientAnomaly
@@ -53,11 +54,10 @@ class Detector:
         select: Selector = "*",
         *,
         nonfinite: bool = True,
-        spike: float | None = None,
-        warmup: int = 10,
+        spike: float | bool | None = None,
+        warmup: int | None = None,
         action: ActionLiteral = "raise",
         dump_dir: str | os.PathLike[str] | None = None,
-        spike_beta: float = 0.9,
         replay: bool | None = None,
         screen: ScreenLiteral | None = None,
         options: WatchOptions | None = None,
@@ -68,7 +68,7 @@ class Detector:
         # a compiled model keeps its wrapper (the screen's hooks stay outside compiled code).
         model = unwrap_model(model, keep_compiled=True)
         check_scaler(scaler, "detect")
-        replays = check_options(action=action, spike=spike, warmup=warmup, spike_beta=spike_beta,
+        replays = check_options(action=action, spike=spike, warmup=warmup,
                                 nonfinite=nonfinite, replay=replay, screen=screen)
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
@@ -76,9 +76,9 @@ class Detector:
                 raise ValueError(f"dump_dir={self.dump_dir!r} exists and is not a directory")
             os.makedirs(self.dump_dir, exist_ok=True)
         self.nonfinite = bool(nonfinite)
-        self.spike = None if spike is None else float(spike)
-        self.warmup = warmup
-        self.spike_beta = float(spike_beta)
+        self.spike = (None if spike is None or spike is False
+                      else THRESHOLD if spike is True else float(spike))
+        self.warmup = WARMUP if warmup is None else int(warmup)
         self.action: ActionLiteral = action
         self.anomalies: list[Anomaly] = []
 
@@ -98,7 +98,7 @@ class Detector:
         self._sharded = any(is_sharded(p) for p in model.parameters())
         self._found: list[Found] = []  # made from the screen's evidence, not yet emitted
         self._ready: list[Found] = []  # found by a replay, not yet emitted
-        self._spikes = SpikeTracker(self.spike, warmup, self.spike_beta)
+        self._spikes = SpikeTracker(self.spike, self.warmup)
         self._hooks = HookSet()
         self._hooks.add_cleanup(sess.attach().detach)
         self._amp: ScalerWatch | None = sess.scaler(scaler, "detect()")
@@ -116,7 +116,7 @@ class Detector:
                                         sharded=self._sharded, modules=self._modules,
                                         selected=self._selected)
             if self.spike is not None:
-                self._param_spikes = ParamSpikes(selected, self.spike, warmup, self.spike_beta)
+                self._param_spikes = ParamSpikes(selected, self.spike, self.warmup)
                 self._screen.norms_mode = True
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the
@@ -202,7 +202,7 @@ class Detector:
         return self._watch is not None and self._watch.pending_forward()
 
     def step(self) -> None:
-        """Close the current step: check what is pending, update the spike EWMA, advance.
+        """Close the current step: check what is pending, add the spike norms to their histories, advance.
 
         Call it once per training step, after ``backward()``. Steps count from 0.
 
@@ -229,28 +229,29 @@ class Detector:
             if self._screen is not None:
                 self._screen.new_step()
 
-    def spike_ewma(self, name: str, kind: Literal["param_grad", "grad_output"] = "param_grad"
-             ) -> tuple[float, float]:
-        """``(mean, var)`` of the spike EWMA of module ``name``'s ``kind`` norm.
+    def spike_baseline(self, name: str,
+                       kind: Literal["param_grad", "grad_output"] = "param_grad"
+                       ) -> dict[str, float]:
+        """The baseline norms the spike check compares module ``name``'s next norms with.
 
-        The default watch keeps parameter-gradient EWMAs only (no ``"grad_output"``; see
-        :func:`detect`); ``replay=False`` keeps both.
+        Under the default watch, one per direct parameter of the module (by parameter name;
+        kind ``"param_grad"`` only); under ``replay=False``, the module's ``kind`` norm, by
+        ``kind``. A norm with fewer than two values of history has none.
 
         Raises:
-            KeyError: no such module/kind has an EWMA yet (``spike=None``, or no step closed),
-                or ``"grad_output"`` under the default watch.
+            KeyError: ``spike`` is off, or no such module/kind has a baseline yet.
         """
         tracker = self._param_spikes
         if tracker is None:
-            return self._spikes.ewma(name, kind)
-        found = tracker.ewma(name) if kind == "param_grad" else None
-        if found is None:
+            return {kind: self._spikes.baseline(name, kind)}
+        found = tracker.baseline(name) if kind == "param_grad" else {}
+        if not found:
             if kind == "grad_output":
-                raise KeyError(f"no spike EWMA for module {name!r} kind 'grad_output': the "
-                               "default watch compares parameter-gradient norms only (pass "
-                               "replay=False for grad_output EWMAs)")
-            have = [n for n in tracker.names if tracker.ewma(n) is not None]
-            raise KeyError(f"no spike EWMA for module {name!r} kind {kind!r}; have: "
+                raise KeyError(f"no spike baseline for module {name!r} kind 'grad_output': "
+                               "the default watch scores parameter-gradient norms only (pass "
+                               "replay=False for grad_output baselines)")
+            have = [n for n in tracker.names if tracker.baseline(n)]
+            raise KeyError(f"no spike baseline for module {name!r} kind {kind!r}; have: "
                            f"{', '.join(f'{n}:param_grad' for n in have[:10]) or '(none: call step())'}")
         return found
 
@@ -408,11 +409,10 @@ def detect(
     select: Selector = "*",
     *,
     nonfinite: bool = True,
-    spike: float | None = None,
-    warmup: int = 10,
+    spike: float | bool | None = None,
+    warmup: int | None = None,
     action: ActionLiteral = "raise",
     dump_dir: str | os.PathLike[str] | None = None,
-    spike_beta: float = 0.9,
     replay: bool | None = None,
     screen: ScreenLiteral | None = None,
     scaler: torch.amp.GradScaler | None = None,
@@ -433,25 +433,30 @@ def detect(
     * backward (only if the forward and loss were finite): the first module, in backward
       order, whose ``grad_inputs`` or ``param_grads`` hold NaN/Inf while its ``grad_outputs``
       were finite.
-    * spikes (``spike=``): a module's direct parameter-gradient norm above ``spike`` times
-      its EWMA (factor ``spike_beta``, the usual EWMA) once that EWMA has ``warmup`` steps;
-      with ``replay=False``, its grad-output norm too. Spiking, NaN and Inf values do not
-      update the EWMA; one spike is reported per event (the first spiking module in backward
-      order, innermost), and a module flagged in a step is not reported again in that step.
+    * spikes (``spike=``): under the default watch, each direct parameter's gradient norm
+      of each selected module, scored against that tensor's own history by the detector of
+      ``Run.spikes()`` (``docs/semantics.md``, "Gradient spikes": a robust z-score of the
+      log-norm against a trend-following baseline, the step's common deviation taken out),
+      reported when the score exceeds ``spike`` once the tensor's history has ``warmup``
+      values; with ``replay=False``, each module's parameter-gradient norm (its direct
+      parameters together) and grad-output norm, scored alike. NaN, Inf and zero norms are
+      not scored and never enter a history; one spike is reported per event (the first
+      spiking module in backward order, innermost, ``slot`` naming its spiking parameters),
+      and a tensor flagged in a step is not reported again in that step.
 
       The default watch reads the norm of each selected module's direct parameters' ``.grad``
       at the end of each backward (one batched norm, read with the screen's one host copy;
-      no hook on any call) and updates every EWMA at once in ``det.step()``. Only when a norm
-      spikes is the step replayed under the per-call watch: the report names the first
-      spiking module in backward order and carries its call's record, whose grad_output is
-      the gradient that reached it in this step (its norm is in the message). That
-      grad_output has no EWMA to be compared with (keeping one would need a hook on every
-      call every step), so under the default watch a grad_output spike is never reported on
-      its own: a large gradient arriving at a module shows as that module's
-      parameter-gradient spike, with the grad_output in its report. ``replay=False`` keeps
-      grad_output EWMAs and reports grad_output spikes (``where="grad_output"``) as before,
-      at per-call cost. The default watch's norm is that of ``.grad`` (with weight sharing,
-      of the summed gradient; with gradient accumulation over backwards in one step, of the
+      no hook on any call), scores them on the host, and adds them to the histories in
+      ``det.step()``. Only when a norm spikes is the step replayed under the per-call watch:
+      the report names the first spiking module in backward order and carries its call's
+      record, whose grad_output is the gradient that reached it in this step (its norm is in
+      the message). That grad_output has no history to be compared with (keeping one would
+      need a hook on every call every step), so under the default watch a grad_output spike
+      is never reported on its own: a large gradient arriving at a module shows as its
+      parameters' spike, with the grad_output in its report. ``replay=False`` keeps
+      grad_output histories and reports grad_output spikes (``where="grad_output"``), at
+      per-call cost. The default watch's norm is that of ``.grad`` (with weight sharing, of
+      the summed gradient; with gradient accumulation over backwards in one step, of the
       total); the per-call watch's adds each call's squared norms.
 
     Two ways to watch (``replay=``):
@@ -485,19 +490,20 @@ def detect(
             gradient and what unselected code does).
         select: which modules may be reported (glob, list, class, predicate).
         nonfinite: look for NaN/Inf.
-        spike: factor over the EWMA that makes a spike (e.g. ``10.0``); ``None``: off.
-        warmup: steps of EWMA before a norm is checked for spikes.
+        spike: the score above which a norm is a spike: ``True`` for the default (6.0, as
+            ``Run.spikes()``), a number for another; ``None`` or ``False``: off.
+        warmup: values of a norm's history before it is scored (``None``: 20, as
+            ``Run.spikes()``).
         action: ``"raise"`` :class:`~gradtap.GradientAnomaly` (from ``backward()`` or
             ``step()``), ``"warn"`` (:class:`AnomalyWarning`) or ``"record"`` silently.
         dump_dir: write one dump file per anomaly there (see :func:`load_dump`).
-        spike_beta: EWMA factor for spikes.
         replay: ``None`` or ``True``: the screen, and a replay after an anomaly; ``False``:
             the per-call watch (for a forward with side effects that must not run twice, or
             for grad_output spikes).
         screen: what the replay watch screens each step: ``"model"`` (the default) or
             ``"modules"`` (every selected call too); only with the replay watch.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision run. Spike norms and their
-            EWMAs are then those of the unscaled gradients (``g / scale``), and a NaN/Inf in
+            histories are then those of the unscaled gradients (``g / scale``), and a NaN/Inf in
             the gradients (not in the forward or the loss value) is an anomaly of kind
             ``"overflow"``: the scaler finds it, skips the optimizer step and lowers its
             scale, so it is recorded in :attr:`anomalies` (its origin named as for an Inf)
@@ -506,7 +512,7 @@ def detect(
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
-        ``.check_loss(loss)``, ``.check()``, ``.spike_ewma(name, kind)``, ``.remove()``.
+        ``.check_loss(loss)``, ``.check()``, ``.spike_baseline(name, kind)``, ``.remove()``.
 
     Raises:
         SelectionError: ``select`` matched no module.
@@ -526,4 +532,5 @@ def detect(
         ('0', 'nan', 'forward', 'bias', True)
     """
     return Detector(model, select, nonfinite=nonfinite, spike=spike, warmup=warmup,
-                    action=action, dump_dir=dump_dir, spike_beta=spike_beta, replay=replay, screen=screen, scaler=scaler)
+                    action=action, dump_dir=dump_dir, replay=replay, screen=screen,
+                    scaler=scaler)

@@ -15,7 +15,7 @@ from torch import nn
 
 from gradtap._detect._anomaly import LOSS
 from gradtap._detect._measure import Plan, innermost
-from gradtap._detect._messages import Found, spike_anomaly, unreproduced_anomaly
+from gradtap._detect._messages import Found, param_spike_anomaly, unreproduced_anomaly
 from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, Spike
@@ -93,8 +93,11 @@ class Localizer:
         plans = watch.plans
         spiking = {s[1]: s for s in spikes}
         self._one_event_per_step()
-        if watch.found:  # the replay found a NaN/Inf the parameter gradients did not show
-            return watch.found
+        # A NaN/Inf in the gradients that the parameter gradients did not show is reported
+        # instead; one in a forward input (a causal mask's -inf) is no spike's cause.
+        found = [f for f in watch.found if f.anomaly.where != "forward"]
+        if found:
+            return found
         order = [(i, p) for i, p in enumerate(plans) if p.name in spiking and p.rec is not None]
         first = innermost(order, lambda ip: ip[1].name)
         if first:
@@ -105,11 +108,11 @@ class Localizer:
             name = innermost(spikes, lambda s: s[1])[0][1]
             plan, note = None, ("the replay of this backward did not show this module's call: "
                                 "its norm is that of .grad at the end of the backward")
-        spike = spiking[name]
         module = self._modules[name]
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        anomaly = spike_anomaly(step, plan, [spike], tracker.mean(name), tracker.spike,
-                                module=(type(module).__name__, own), note=note)
+        anomaly = param_spike_anomaly(step, plan, name, tracker.hits[name], tracker.spike,
+                                      tracker.baseline(name), module=(type(module).__name__, own),
+                                      note=note)
         return [Found(anomaly, None if plan is None else (name, plan.call), module)]
 
     def _watch(self, options: WatchOptions, step: int) -> CallWatch:
@@ -140,4 +143,4 @@ def _replay_note(plan: Plan) -> str:
     norm = math.sqrt(sum(float(g.detach().double().square().sum()) for g in out))
     return (f"found by a replay of the step: the gradient reaching its output "
             f"(grad_output) has norm {norm:.4g} in this step; the default watch keeps no "
-            f"EWMA of it (replay=False does): compare it with other steps' reports")
+            f"history of it (replay=False does): compare it with other steps' reports")

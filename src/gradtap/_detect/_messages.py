@@ -34,7 +34,8 @@ from gradtap._text import format_number, format_table
 from gradtap.record import GradRecord
 
 __all__ = ["Found", "backward_anomaly", "forward_anomaly", "loss_anomaly",
-           "loss_gradient_anomaly", "record_stats", "spike_anomaly", "unreproduced_anomaly"]
+           "loss_gradient_anomaly", "param_spike_anomaly", "record_stats", "spike_anomaly",
+           "unreproduced_anomaly"]
 
 _ROLES = (("grad_output", "grad_outputs"), ("grad_input", "grad_inputs"),
           ("param_grad", "param_grads"))
@@ -155,37 +156,27 @@ def loss_gradient_anomaly(step: int, rec: GradRecord, fwd_out: list[TensorStat])
         nan=bad.nan, inf=bad.inf, numel=math.prod(bad.shape))
 
 
-def spike_anomaly(step: int, plan: Plan | None, kinds: list[Spike], mean: float, spike: float,
-                  *, module: tuple[str, list[str]] | None = None, note: str | None = None
-                  ) -> Anomaly:
-    """A norm over ``spike`` times its EWMA ``mean`` (``kinds``: the module's spikes, the one
-    reported first). ``plan`` is the module's call (its record if kept); without one (a spike
-    the replay did not show), ``module`` gives its type name and direct parameter names.
-    ``note`` is added to the report's body."""
-    _, name, kind, value, limit = kinds[0]
-    rec = plan.rec if plan is not None else None
-    if plan is not None:
-        type_name, call = plan.type_name, plan.call
-        params = [k for k, _ in plan.params if "." not in k]
-        outs = [k for k, _ in plan.outs]
-    else:
-        assert module is not None
-        type_name, call, params, outs = module[0], None, module[1], []
-    label = describe_module(name, type_name, call, True)
+def spike_anomaly(step: int, plan: Plan, kinds: list[Spike], baseline: float,
+                  threshold: float) -> Anomaly:
+    """The per-call watch's spike: a ``(module, kind)`` norm scored above ``threshold``
+    against its own history (``kinds``: the module's spikes ``(index, name, kind, norm,
+    score)``, the one reported first; ``baseline``: its baseline norm). ``plan`` is the
+    module's call (its record if kept)."""
+    _, name, kind, value, score = kinds[0]
+    rec = plan.rec
+    params = [k for k, _ in plan.params if "." not in k]
+    outs = [k for k, _ in plan.outs]
+    label = describe_module(name, plan.type_name, plan.call, True)
     if kind == "grad_output":
-        slot = ",".join(outs)
-        what = "output-gradient norm"
+        slot, what = ",".join(outs), "output-gradient norm"
     else:
-        slot = ",".join(params)
-        what = "parameter-gradient norm"
+        slot, what = ",".join(params), "parameter-gradient norm"
+    ratio = f"{value / baseline:.3g}x" if baseline > 0 else "inf x"
     head = (f"Gradient spike in {label} at step {step}: its {what} ({slot}) is "
-            f"{format_number(value)}, {value / mean if mean > 0 else math.inf:.3g}x its EWMA "
-            f"{format_number(mean)} "
-            f"(threshold spike={spike:g} x EWMA = {format_number(limit)}).")
+            f"{format_number(value)}, {ratio} its baseline {format_number(baseline)} "
+            f"(score {score:.3g}, above the threshold spike={threshold:g}).")
     body = [f"also: {'output-gradient' if k == 'grad_output' else 'parameter-gradient'} "
-            f"norm {format_number(v)} > {format_number(lim)}" for _, _, k, v, lim in kinds[1:]]
-    if note:
-        body.append(note)
+            f"norm {format_number(v)} (score {z:.3g})" for _, _, k, v, z in kinds[1:]]
     if rec is not None:
         body += ["gradients of this call (ranges of finite elements):",
                  *grad_table(record_stats(rec))]
@@ -195,8 +186,43 @@ def spike_anomaly(step: int, plan: Plan | None, kinds: list[Spike], mean: float,
     return Anomaly(
         module_name=name, kind="spike", where=kind,  # type: ignore[arg-type]
         step=step, record=rec, message=format_lines(head, body),
-        module_type=type_name, slot=slot, call=call, nan=0, inf=0,
-        value=value, threshold=limit)
+        module_type=plan.type_name, slot=slot, call=plan.call, nan=0, inf=0,
+        value=value, threshold=threshold)
+
+
+def param_spike_anomaly(step: int, plan: Plan | None, name: str,
+                        hits: list[tuple[str, float, float]], threshold: float,
+                        baselines: dict[str, float], *, module: tuple[str, list[str]],
+                        note: str | None = None) -> Anomaly:
+    """The default watch's spike: module ``name``'s parameters ``hits`` (``(parameter, norm,
+    score)``, highest score first) scored above ``threshold`` against their own baselines.
+    ``plan`` is the module's call from the replay (its record if kept), else ``None``."""
+    rec = plan.rec if plan is not None else None
+    type_name, call = (plan.type_name, plan.call) if plan is not None else (module[0], None)
+    label = describe_module(name, type_name, call, True)
+    slot, value, score = hits[0]
+
+    def one(p: str, v: float, z: float) -> str:
+        base = baselines.get(p)
+        ratio = f", {v / base:.3g}x its baseline {format_number(base)}" if base else ""
+        return f"the gradient norm of {p!r} is {format_number(v)}{ratio} (score {z:.3g})"
+
+    head = (f"Gradient spike in {label} at step {step}: {one(slot, value, score)}, above "
+            f"the threshold spike={threshold:g}.")
+    body = [f"also: {one(p, v, z)}" for p, v, z in hits[1:]]
+    if note:
+        body.append(note)
+    if rec is not None:
+        body += ["gradients of this call (ranges of finite elements):",
+                 *grad_table(record_stats(rec))]
+    body.append("hint: a spike in one parameter's gradient comes from this module's inputs or "
+                "from the gradient reaching its output (grad_output, above when replayed). "
+                "Skip the step (det.should_skip()), clip gradients, or lower the learning rate")
+    return Anomaly(
+        module_name=name, kind="spike", where="param_grad", step=step, record=rec,
+        message=format_lines(head, body), module_type=type_name,
+        slot=",".join(p for p, _, _ in hits), call=call, nan=0, inf=0,
+        value=value, threshold=threshold)
 
 
 def unreproduced_anomaly(step: int, s: Suspect, failure: BaseException | None,

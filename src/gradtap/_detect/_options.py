@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from gradtap._tensorops.spikes import THRESHOLD
 from gradtap._types import ACTIONS, ActionLiteral, is_int
 
 __all__ = ["ActionLiteral", "ScreenLiteral", "check_options"]
@@ -18,23 +19,22 @@ ScreenLiteral = Literal["model", "modules"]
 _SCREENS = ("model", "modules")
 
 
-def check_options(*, action: str, spike: float | None, warmup: int, spike_beta: float,
+def check_options(*, action: str, spike: float | bool | None, warmup: int | None,
                   nonfinite: bool, replay: bool | None, screen: str | None) -> bool:
     """Whether the step is replayed (the default watch), or a ``ValueError`` for a bad option."""
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {', '.join(map(repr, ACTIONS))}; "
                          f"got {action!r}")
-    if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float))
-                              or not spike > 1.0 or math.isinf(spike)):
-        raise ValueError("spike must be None or a finite factor > 1 over the EWMA of a norm "
-                         f"(e.g. 10.0); got {spike!r}")
-    if not is_int(warmup) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0 (steps before spikes are checked); "
-                         f"got {warmup!r}")
-    if not (isinstance(spike_beta, (int, float)) and 0.0 <= spike_beta < 1.0):
-        raise ValueError(f"spike_beta must be a factor with 0 <= beta < 1; got {spike_beta!r}")
-    if not nonfinite and spike is None:
-        raise ValueError("nothing to detect: nonfinite=False and spike=None; pass spike=10.0 "
+    if spike is not None and not isinstance(spike, bool) and (
+            not isinstance(spike, (int, float)) or not spike > 0 or math.isinf(spike)):
+        raise ValueError("spike must be None, True (the default threshold, "
+                         f"{THRESHOLD:g}) or a finite score threshold > 0 (a robust z-score "
+                         f"of the log-norm against its own baseline); got {spike!r}")
+    if warmup is not None and (not is_int(warmup) or warmup < 3):
+        raise ValueError(f"warmup must be None or an int >= 3 (values of a norm's history "
+                         f"before it is scored); got {warmup!r}")
+    if not nonfinite and spike in (None, False):
+        raise ValueError("nothing to detect: nonfinite=False and no spike=; pass spike=True "
                          "or leave nonfinite=True")
     if replay is not None and not isinstance(replay, bool):
         raise ValueError(f"replay must be None, True or False; got {replay!r}")

@@ -1,4 +1,5 @@
-"""Spike trackers: per (module, kind) a step's norm against ``spike`` times its EWMA.
+"""Spike trackers: gradient norms scored against their own history by the shared detector
+(:mod:`gradtap._tensorops.spikes`), ``spike`` the score threshold.
 
 :class:`SpikeTracker` serves the per-call watch (``replay=False``): parameter-gradient and
 grad_output norms from each call's record. :class:`ParamSpikes` serves the default watch:
@@ -12,54 +13,57 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
-from gradtap import _tensorops as ops
 from gradtap._detect._measure import Backward, Plan, innermost
+from gradtap._tensorops.spikes import SCALE_FLOOR, OnlineScores
 
 __all__ = ["ParamSpikes", "Spike", "SpikeTracker"]
 
-#: One spiking norm: (index of its plan, module name, kind, value, limit).
+#: One spiking norm: (index of its plan or module, module name, kind, norm, score).
 Spike = tuple[int, str, str, float, float]
 
 
 class SpikeTracker:
-    """A step's sum of squared norms per ``(module, kind)``, and their EWMAs across steps.
+    """A step's sum of squared norms per ``(module, kind)``, each scored against its own
+    history by the shared detector (:class:`~gradtap._tensorops.spikes.OnlineScores`).
 
     ``kind`` is ``"grad_output"`` (the module's output-gradient norm) or ``"param_grad"`` (its
-    direct parameters' gradient norm). Spiking, NaN and Inf values never feed the EWMA; a norm
-    is checked once its EWMA has ``warmup`` steps.
+    direct parameters' gradient norm). NaN, Inf and zero norms are not scored and never enter
+    a history; a norm is scored once its history has ``warmup`` values.
 
     With :attr:`scale_of` (the grad scaler's scale of the step, under mixed precision) the
-    norms measured in backward are divided by it: spikes and EWMAs are those of the
+    norms measured in backward are divided by it: spikes and histories are those of the
     unscaled gradients.
     """
 
-    def __init__(self, spike: float | None, warmup: int, beta: float) -> None:
-        self.spike, self.warmup, self.beta = spike, warmup, beta
+    def __init__(self, spike: float | None, warmup: int) -> None:
+        self.spike, self.warmup = spike, warmup
         self.scale_of: Callable[[], float] | None = None
         self._inv2: float | None = None  # 1 / scale**2 of this step, read once
         self._totals: dict[tuple[str, str], float] = {}
-        self._flagged: set[tuple[str, str]] = set()
+        self._flagged: set[tuple[str, str]] = set()  # reported or non-finite this step
+        self._bad: set[tuple[str, str]] = set()  # non-finite this step
         self._index: dict[tuple[str, str], int] = {}
-        self._mean = torch.zeros(0, dtype=torch.float64)
-        self._var = torch.zeros(0, dtype=torch.float64)
-        self._count = np.zeros(0, dtype=np.int64)
+        self._scores = OnlineScores(0, warmup)
+        self._scored = False  # this step's totals were scored (pending for the history)
 
-    def ewma(self, name: str, kind: str) -> tuple[float, float]:
-        """``(mean, var)`` of the EWMA of module ``name``'s ``kind`` norm (KeyError if none)."""
+    def baseline(self, name: str, kind: str) -> float:
+        """The baseline norm of module ``name``'s ``kind`` norm (KeyError if none)."""
         i = self._index.get((name, kind))
-        if i is None:
+        base = None if i is None else self._scores.baseline()[i]
+        if base is None or base != base:
             have = sorted(f"{n}:{k}" for n, k in self._index)
-            raise KeyError(f"no spike EWMA for module {name!r} kind {kind!r}; have: "
+            raise KeyError(f"no spike baseline for module {name!r} kind {kind!r}; have: "
                            f"{', '.join(have[:10]) or '(none: pass spike= and call step())'}")
-        return float(self._mean[i]), float(self._var[i])
+        return math.exp(base)
 
     def might_spike(self, plan: Plan, back: Backward) -> bool:
-        """Whether this record (its norms all measured) pushes a norm of its module over the
-        spike threshold."""
+        """Whether this record (its norms all measured) may push a norm of its module over
+        the threshold: its norm so far is at least ``exp(spike * SCALE_FLOOR / 2)`` times its
+        baseline (a spike's record is kept to be shown)."""
         hit = False
+        base = self._scores.baseline() if self._index else None
         for kind, idx in (("grad_output", [j for _, j in plan.outs]), ("param_grad", plan.direct)):
             if not idx:
                 continue
@@ -67,16 +71,19 @@ class SpikeTracker:
             add = sum(back.norms[j] ** 2 for j in idx) * self._unscale2()
             back.partial[key] = back.partial.get(key, 0.0) + add
             j = self._index.get(key)
-            if j is None or self._count[j] < max(self.warmup, 1):
+            if j is None or base is None or self._scores.count[j] < self._scores.warmup:
                 continue
             total = self._totals.get(key, 0.0) + back.partial[key]
-            hit = hit or math.sqrt(total) > self.spike * float(self._mean[j])  # type: ignore[operator]
+            if total > 0:
+                hit = hit or (0.5 * math.log(total) - base[j]
+                              > self.spike * SCALE_FLOOR / 2)  # type: ignore[operator]
         return hit
 
     def check(self, plans: list[Plan], norms: np.ndarray, finite: np.ndarray,
               selected: set[str]) -> tuple[int, list[Spike]] | None:
         """Add a backward's norms to the step's; return the first spiking module (innermost,
-        in backward order) as ``(plan index, its spikes, grad_output first)``, or None."""
+        in backward order) as ``(plan index, its spikes, grad_output first)``, or None.
+        A spike is ``(plan index, name, kind, norm, score)``."""
         sq = (np.where(finite, norms, 0.0) ** 2 * self._unscale2()).tolist()
         fin = finite.tolist()
         totals, flagged = self._totals, self._flagged
@@ -91,7 +98,8 @@ class SpikeTracker:
                     continue
                 key = (name, kind)
                 if not all(fin[j] for j in idx):
-                    flagged.add(key)  # a non-finite norm never feeds the EWMA
+                    flagged.add(key)  # a non-finite norm never enters the history
+                    self._bad.add(key)
                     continue
                 if key not in seen:
                     seen.add(key)
@@ -100,16 +108,14 @@ class SpikeTracker:
                 for j in idx:
                     total += sq[j]
                 totals[key] = total
+        scores = self._score()
         spiking: list[Spike] = []
         for i, name, kind in touched:
             key = (name, kind)
             at = self._index.get(key)
-            if at is None or key in self._flagged or self._count[at] < max(self.warmup, 1):
+            if at is None or key in self._flagged or not scores[at] > self.spike:  # type: ignore[operator]
                 continue
-            value = math.sqrt(self._totals[key])
-            limit = self.spike * float(self._mean[at])  # type: ignore[operator]
-            if value > limit:
-                spiking.append((i, name, kind, value, limit))
+            spiking.append((i, name, kind, math.sqrt(self._totals[key]), float(scores[at])))
         if not spiking:
             return None
         for _, name, kind, _, _ in spiking:
@@ -120,6 +126,19 @@ class SpikeTracker:
         kinds.sort(key=lambda s: s[2] != "grad_output")
         return first[0], kinds
 
+    def _values(self) -> np.ndarray:
+        """This step's norms of the keys with a history (NaN: none, or non-finite)."""
+        values = np.full(len(self._index), np.nan)
+        for key, total in self._totals.items():
+            j = self._index.get(key)
+            if j is not None and key not in self._bad:
+                values[j] = math.sqrt(total)
+        return values
+
+    def _score(self) -> np.ndarray:
+        self._scored = True
+        return self._scores.score(self._values())
+
     def _unscale2(self) -> float:
         if self.scale_of is None:
             return 1.0
@@ -127,193 +146,122 @@ class SpikeTracker:
             self._inv2 = 1.0 / self.scale_of() ** 2
         return self._inv2
 
-    def mean(self, name: str, kind: str) -> float:
-        """The EWMA mean of a norm that has one."""
-        return float(self._mean[self._index[(name, kind)]])
-
     def close_step(self) -> None:
-        """Feed the step's norms into the EWMAs and start a new step."""
+        """Add the step's norms to the histories and start a new step."""
         try:
-            self._update()
+            if self.spike is not None and self._totals:
+                new = [k for k in self._totals if k not in self._index]
+                for key in new:  # first seen this step: their first value starts a history
+                    self._index[key] = len(self._index)
+                if new:
+                    self._scores.grow(len(new))
+                values = self._values()
+                if new or not self._scored:
+                    self._scores.score(values)
+                self._scores.push(values)
         finally:
             self._totals = {}
             self._flagged = set()
+            self._bad = set()
             self._inv2 = None
-
-    def _update(self) -> None:
-        if self.spike is None or not self._totals:
-            return
-        values = np.full(len(self._index), np.nan)
-        new: dict[tuple[str, str], float] = {}
-        for key, total in self._totals.items():
-            if key in self._flagged:
-                continue  # spiking or non-finite values never feed the EWMA
-            j = self._index.get(key)
-            if j is None:
-                new[key] = math.sqrt(total)
-            else:
-                values[j] = math.sqrt(total)
-        present = np.flatnonzero(~np.isnan(values))
-        if len(present) == len(values):  # the usual step: every norm is there, update in place
-            ops.ewma_update_(self._mean, self._var, torch.from_numpy(values), self.beta)
-            self._count += 1
-        elif len(present):
-            idx = torch.from_numpy(present)
-            mean, var = self._mean[idx], self._var[idx]
-            ops.ewma_update_(mean, var, torch.from_numpy(values[present]), self.beta)
-            self._mean[idx] = mean
-            self._var[idx] = var
-            self._count[present] += 1
-        if new:
-            mean, var = ops.ewma_init(torch.tensor(list(new.values()), dtype=torch.float64))
-            for key in new:
-                self._index[key] = len(self._index)
-            self._mean = torch.cat([self._mean, mean])
-            self._var = torch.cat([self._var, var])
-            self._count = np.concatenate([self._count, np.ones(len(new), np.int64)])
-
+            self._scored = False
 
 
 class ParamSpikes:
-    """Parameter-gradient spikes of the default watch, with no hook: per selected module, the
-    norm of its own (direct) parameters' ``.grad`` against ``spike`` times its EWMA.
+    """Parameter-gradient spikes of the default watch, with no hook: each selected module's
+    direct parameters' ``.grad`` norms, each scored against its own history by the shared
+    detector (:class:`~gradtap._tensorops.spikes.OnlineScores`; ``docs/semantics.md``,
+    "Gradient spikes").
 
     The screen, in its norms mode, reduces every parameter gradient to its L2 norm at its
     check (one ``torch._foreach_norm`` per device and dtype; on CPU, gradients of one shape
     stacked and reduced in one norm; in place of its finiteness pass) and reads them with
-    its one host copy; :meth:`check` adds them up per module on the host.
-    :meth:`close_step` feeds the step's norms into the EWMAs, all
-    modules at once. Spiking, NaN and Inf values never feed the EWMA; a norm is checked once
-    its EWMA has ``warmup`` steps.
+    its one host copy; :meth:`check` scores them on the host (a later check in the same step,
+    after another backward, scores the accumulated gradient again); :meth:`close_step` adds
+    the step's last norms to the histories. A tensor is scored once its history has
+    ``warmup`` values; a NaN/Inf or zero norm is not scored and does not enter it.
     """
 
-    def __init__(self, selected: list[tuple[str, nn.Module]], spike: float, warmup: int,
-                 beta: float) -> None:
-        self.spike, self.warmup, self.beta = spike, warmup, beta
-        self.names: list[str] = []
-        self._index_of: dict[int, int] = {}  # id(parameter) -> its module's index
+    def __init__(self, selected: list[tuple[str, nn.Module]], threshold: float,
+                 warmup: int) -> None:
+        self.spike, self.warmup = threshold, warmup
+        self.names: list[str] = []  # modules with parameters of their own
+        self.tensors: list[tuple[int, str]] = []  # (module index, parameter name)
+        self._index_of: dict[int, int] = {}  # id(parameter) -> its tensor index
         self._owner_of: dict[int, Tensor] = {}
         for name, module in selected:
-            own = [p for _, p in module.named_parameters(recurse=False)
+            own = [(n, p) for n, p in module.named_parameters(recurse=False)
                    if p.is_floating_point() and p.requires_grad and id(p) not in self._index_of]
             if not own:
                 continue
-            for p in own:
-                self._index_of[id(p)] = len(self.names)
+            for n, p in own:
+                self._index_of[id(p)] = len(self.tensors)
                 self._owner_of[id(p)] = p
+                self.tensors.append((len(self.names), n))
             self.names.append(name)
         self._at = {name: i for i, name in enumerate(self.names)}
-        n = len(self.names)
-        self._mean = np.zeros(n)  # the EWMA state, float64
-        self._var = np.zeros(n)
-        self._count = np.zeros(n, dtype=np.int64)
-        self._armed = np.zeros(n, dtype=bool)  # count >= max(warmup, 1): checked for spikes
-        self._all_armed = False
-        self._limit = np.full(n, np.inf)  # spike x mean once armed, else inf
+        self._module_of = np.array([m for m, _ in self.tensors], dtype=np.int64)
+        self._scores = OnlineScores(len(self.tensors), warmup)
         self._values: np.ndarray | None = None  # this step's norms (the last check's), NaN: none
-        self._clean = False  # every module has a finite norm this step, none flagged
-        self._flagged = np.zeros(n, dtype=bool)  # spiking or non-finite this step
-        self._none_flagged = True  # not self._flagged.any()
-        # Per list of the screen's parameters: the positions of the watched ones (None: all),
-        # their modules' indices, and which modules have a norm.
-        # (positions, owners, present, whether every module is present)
-        self._owners: dict[tuple[int, ...],
-                           tuple[np.ndarray | None, np.ndarray, np.ndarray, bool]] = {}
+        self._flagged = np.zeros(len(self.tensors), dtype=bool)  # reported this step
+        self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         self._last: tuple[object, Any] = (None, None)  # the list of the last check, its entry
+        #: The spiking tensors of the last check, per module name: (parameter, norm, score).
+        self.hits: dict[str, list[tuple[str, float, float]]] = {}
 
-    def ewma(self, name: str) -> tuple[float, float] | None:
-        """``(mean, var)`` of module ``name``'s parameter-gradient EWMA, None if it has none."""
+    def baseline(self, name: str) -> dict[str, float]:
+        """Module ``name``'s parameters' baseline norms (``exp`` of the log baseline; those
+        with fewer than two values have none)."""
         i = self._at.get(name)
-        if i is None or self._count[i] == 0:
-            return None
-        return float(self._mean[i]), float(self._var[i])
-
-    def mean(self, name: str) -> float:
-        """The EWMA mean of module ``name``'s parameter-gradient norm (it has one)."""
-        return float(self._mean[self._at[name]])
+        base = self._scores.baseline()
+        return {} if i is None else {n: math.exp(base[k]) for k, (m, n) in
+                                     enumerate(self.tensors) if m == i and base[k] == base[k]}
 
     def any_grad(self) -> bool:
         """Whether a watched parameter has a gradient now."""
         return any(p.grad is not None for p in self._owner_of.values())
 
     def check(self, params: list[tuple[str, Tensor]], norms: np.ndarray) -> list[Spike]:
-        """Note the step's norms from the screen's ``params`` and the norms of their gradients
-        (one host copy, made by the screen); return the modules that spike and were not
-        flagged yet this step, in module order, as ``(module index, name, "param_grad",
-        value, limit)``."""
-        n = len(self.names)
+        """Score the step's norms from the screen's ``params`` and the norms of their gradients
+        (one host copy, made by the screen); return the modules with a spiking tensor not
+        reported yet this step, in module order, as ``(module index, name, "param_grad",
+        norm, score)`` of their highest-scoring tensor (all in :attr:`hits`)."""
         if params is self._last[0]:  # the screen's usual list, as at the last check
-            entry = self._last[1]
+            positions, tensors = self._last[1]
         else:
             key = tuple([id(p) for _, p in params])
-            entry = self._owners.get(key)
+            entry = self._positions.get(key)
             if entry is None:
-                owners = np.array([self._index_of.get(id(p), -1) for _, p in params],
-                                  dtype=np.int64)
-                mine = owners >= 0
-                present = np.bincount(owners[mine], minlength=n) > 0
-                entry = self._owners[key] = (None if mine.all() else np.flatnonzero(mine),
-                                             owners[mine], present, bool(present.all()))
+                idx = np.array([self._index_of.get(id(p), -1) for _, p in params],
+                               dtype=np.int64)
+                mine = idx >= 0
+                entry = self._positions[key] = (np.flatnonzero(mine), idx[mine])
             self._last = (params, entry)
-        positions, owners, present, complete = entry
-        if positions is not None:
-            norms = norms[positions]
-        values = np.sqrt(np.bincount(owners, weights=norms * norms, minlength=n))
+            positions, tensors = entry
+        values = np.full(len(self.tensors), np.nan)
+        values[tensors] = norms[positions]
         self._values = values
-        # The usual step: every module has a finite norm within its limit (inf until armed),
-        # none flagged yet.
-        if (complete and math.isfinite(values.sum()) and bool((values <= self._limit).all())
-                and self._none_flagged):
-            self._clean = True
+        scores = self._scores.score(values)
+        hit = (scores > self.spike) & ~self._flagged  # False for NaN
+        self.hits = {}
+        if not hit.any():
             return []
-        if not complete:
-            values[~present] = np.nan
-        hit = values > self._limit  # False for NaN and for modules not armed yet
-        if not hit.any() and np.isfinite(values[present]).all():
-            self._clean = not self._flagged.any() and bool(present.all())
-            return []
-        self._clean = False
-        self._flagged |= present & ~np.isfinite(values)  # never feeds the EWMA
-        hit &= ~self._flagged
         self._flagged |= hit
-        self._none_flagged = not self._flagged.any()
-        return [(int(i), self.names[i], "param_grad", float(values[i]), float(self._limit[i]))
-                for i in np.flatnonzero(hit)]
+        out: list[Spike] = []
+        for k in np.flatnonzero(hit).tolist():
+            m, pname = self.tensors[k]
+            self.hits.setdefault(self.names[m], []).append(
+                (pname, float(values[k]), float(scores[k])))
+        for name, found in self.hits.items():
+            found.sort(key=lambda h: -h[2])
+            out.append((self._at[name], name, "param_grad", found[0][1], found[0][2]))
+        out.sort()
+        return out
 
     def close_step(self) -> None:
-        """Feed the step's norms into the EWMAs (vectorised) and start a new step."""
-        values, flagged, clean = self._values, self._flagged, self._clean
-        n = len(self.names)
-        self._values, self._clean = None, False
-        if values is None:
-            return
-        if clean and self._all_armed:  # the usual step: every norm, update in place
-            # ops.ewma_update_'s formula, on the host arrays (a few small numpy operations
-            # cost less than torch's dispatch here).
-            m, v = self._mean, self._var
-            delta = values - m
-            step = (1.0 - self.beta) * delta
-            m += step
-            v += step * delta
-            v *= self.beta
-            np.multiply(m, self.spike, out=self._limit)
-            self._count += 1
-            return
-        self._flagged = np.zeros(n, dtype=bool)
-        self._none_flagged = True
-        use = np.isfinite(values) & ~flagged
-        if not use.any():
-            return
-        first = use & (self._count == 0)
-        self._mean[first] = values[first]
-        self._var[first] = 0.0
-        update = use & ~first
-        if update.any():
-            mean, var = torch.from_numpy(self._mean[update]), torch.from_numpy(self._var[update])
-            ops.ewma_update_(mean, var, torch.from_numpy(values[update]), self.beta)
-            self._mean[update] = mean.numpy()
-            self._var[update] = var.numpy()
-        self._count[use] += 1
-        self._armed = self._count >= max(self.warmup, 1)
-        self._all_armed = bool(self._armed.all())
-        self._limit = np.where(self._armed, self.spike * self._mean, np.inf)
+        """Add the step's norms to the histories and start a new step."""
+        values, self._values = self._values, None
+        self._flagged[:] = False
+        self.hits = {}
+        if values is not None:
+            self._scores.push(values)

@@ -400,7 +400,7 @@ class CallWatch(Listener):
         # The report shows the module's last kept record of this backward.
         held = [p for p in plans if p.name == name and p.rec is not None]
         plan = held[-1] if held else plans[index]
-        anomaly = spike_anomaly(self.step, plan, kinds, self.spikes.mean(name, kind),
+        anomaly = spike_anomaly(self.step, plan, kinds, self.spikes.baseline(name, kind),
                                 self.spikes.spike)
         return Found(anomaly, (name, plan.call), self._modules[name])
 

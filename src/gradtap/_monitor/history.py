@@ -32,6 +32,8 @@ from gradtap.store import (
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from gradtap._monitor.run_spikes import Spike
+
 __all__ = ["MemoryRun"]
 
 
@@ -203,6 +205,20 @@ class MemoryRun:
         order = np.argsort(np.array(steps), kind="stable")
         return Histogram(np.asarray(edges, dtype=np.float64), np.stack(rows)[order],
                          np.array(steps, dtype=np.int64)[order])
+
+    def spikes(self, threshold: float | None = None, warmup: int | None = None) -> list[Spike]:
+        """The run's gradient spikes: each ``(step, parameter)`` whose stored gradient norm left
+        its own running baseline by more than ``threshold`` (a robust z-score of the log-norm;
+        default 6) after ``warmup`` values of its history (default 20), as
+        :class:`~gradtap.Spike`, by step then in backward order; ``first`` marks each step's
+        first. Exact definition: ``docs/semantics.md``, "Gradient spikes".
+
+        Raises:
+            ValueError: a bad ``threshold`` or ``warmup``.
+        """
+        from gradtap._monitor.run_spikes import spikes_of
+
+        return spikes_of(self, threshold, warmup)
 
     def histogram_names(self) -> list[tuple[str, str]]:
         """Sorted ``(kind, name)`` pairs that have histograms."""

@@ -228,8 +228,8 @@ class ReportData:
     summary: dict[str, float] = field(default_factory=dict)
     layers: list[LayerSummary] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # gradient spikes from the Monitor's zscore: {"step", "name" (the first tensor in backward
-    # order whose z crossed SPIKE_Z), "z", "count" (how many crossed)}, by step
+    # gradient spikes, exactly Run.spikes(): {"step", "name" (the step's first spiking tensor
+    # in backward order), "z" (its score), "count" (how many spiked)}, by step
     spikes: list[dict[str, Any]] = field(default_factory=list)
     # step -> the smallest clip_factor a spike rule applied at that step (only steps < 1)
     clipped: dict[int, float] = field(default_factory=dict)
@@ -328,8 +328,8 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
         reader = _SeriesReader(run)
         rows: list[dict[str, Any]] = []
         if "param_grad" in kinds:
-            data.spikes, data.clipped = _spike_events(reader, _order(names, meta, "param_grad"),
-                                                      steps)
+            data.spikes, data.clipped = _spike_events(run, reader,
+                                                      _order(names, meta, "param_grad"), steps)
         spiking = [e["name"] for e in data.spikes]
         for kind in ("param_grad", "grad_output"):
             if kind not in kinds:
@@ -443,36 +443,24 @@ def _histograms(run: Run, data: ReportData, hist_pairs: list[tuple[str, str]],
         data.histograms[name] = run.histogram(name, data.hist_kind)
 
 
-#: The z-score above which the report calls a gradient norm a spike (ZClip's default ``z``).
-SPIKE_Z = 2.5
-
-
-def _spike_events(reader: _SeriesReader, names: list[str], steps: Sequence[int]
+def _spike_events(run: Run, reader: _SeriesReader, names: list[str], steps: Sequence[int]
                   ) -> tuple[list[dict[str, Any]], dict[int, float]]:
-    """The steps where some tensor's gradient-norm z-score crossed :data:`SPIKE_Z`, each with
-    the first such tensor in backward order (the model's parameter order reversed: the
-    gradient nearest the loss is computed first), and the steps a spike rule clipped."""
+    """The run's spikes (exactly ``Run.spikes()``), one entry per step with its first tensor
+    in backward order and how many tensors spiked there, and the steps a spike rule clipped
+    (the smallest factor of each)."""
+    spikes: list[dict[str, Any]] = []
+    for s in run.spikes():
+        if s.first:
+            spikes.append({"step": s.step, "name": s.name, "z": s.score, "count": 1})
+        else:
+            spikes[-1]["count"] += 1
     all_steps = np.asarray(steps, dtype=np.int64)
-    backward = list(reversed(names))
-    first = np.full(len(all_steps), -1)
-    first_z = np.full(len(all_steps), math.nan)
-    count = np.zeros(len(all_steps), dtype=np.int64)
     clip = np.ones(len(all_steps))
-    for rank, name in enumerate(backward):
-        z = reader.get(name, "zscore", "param_grad")
-        if z is not None:
-            hit = z[1] > SPIKE_Z
-            pos, zs = np.searchsorted(all_steps, z[0][hit]), z[1][hit]
-            fresh = first[pos] < 0  # no tensor earlier in backward order crossed there
-            first[pos[fresh]] = rank
-            first_z[pos[fresh]] = zs[fresh]
-            count[pos] += 1
+    for name in names:
         f = reader.get(name, "clip_factor", "param_grad")
         if f is not None:
             pos = np.searchsorted(all_steps, f[0][f[1] < 1.0])
             clip[pos] = np.minimum(clip[pos], f[1][f[1] < 1.0])
-    spikes = [{"step": int(all_steps[i]), "name": backward[int(first[i])],
-               "z": float(first_z[i]), "count": int(count[i])} for i in np.flatnonzero(first >= 0)]
     return spikes, {int(all_steps[i]): float(clip[i]) for i in np.flatnonzero(clip < 1.0)}
 
 

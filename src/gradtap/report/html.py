@@ -168,10 +168,10 @@ def _norms(data: ReportData) -> str:
         if spikes:
             marks.append("the spikes the detector reported")
         if kind == "param_grad" and (data.spikes or data.clipped):
-            marks.append("the steps whose z-score crossed 2.5 (with the first layer to spike) "
+            marks.append("the steps Run.spikes() flags (with the first layer to spike) "
                          "and those a spike rule clipped")
             spikes += [(float(e["step"]), f"step {e['step']}: {e['name']} spiked first "
-                        f"(z = {e['z']:.1f}; {e['count']} tensor(s) above z = 2.5)")
+                        f"(score {e['z']:.1f}; {e['count']} tensor(s) spiking)")
                        for e in tables.largest_spikes(data)]
             spikes += [(float(step), f"step {step}: a spike rule clipped (smallest factor "
                         f"{factor:.3g})")

@@ -209,14 +209,14 @@ MAX_EVENTS = 100
 
 
 def largest_spikes(data: ReportData) -> list[dict[str, Any]]:
-    """At most :data:`MAX_EVENTS` spike steps, those with the largest z, by step."""
+    """At most :data:`MAX_EVENTS` spike steps, those with the largest score, by step."""
     if len(data.spikes) <= MAX_EVENTS:
         return data.spikes
     return sorted(sorted(data.spikes, key=lambda e: -e["z"])[:MAX_EVENTS], key=lambda e: e["step"])
 
 
 def spikes(data: ReportData) -> str:
-    """The gradient spikes the Monitor's z-scores show, each with the first layer to spike
+    """The run's gradient spikes (``Run.spikes()``), each step with its first tensor to spike
     (in backward order), and the steps a spike rule clipped."""
     if not data.spikes and not data.clipped:
         return ""
@@ -228,11 +228,13 @@ def spikes(data: ReportData) -> str:
             f"<td>{_value(data.clipped.get(e['step']))}</td></tr>" for e in largest_spikes(data))
         if len(data.spikes) > MAX_EVENTS:
             out += (f'<p class="muted">The {MAX_EVENTS} of {len(data.spikes)} spike steps with '
-                    "the largest z, by step.</p>")
-        out += ("<p>Steps where a gradient norm's z-score against its own history exceeded "
-                "2.5, with the first tensor (in backward order) to cross it: where the spike "
-                'started.</p><table class="data" id="spike-table"><thead><tr><th>step</th>'
-                "<th>first layer to spike</th><th>z</th><th>tensors above 2.5</th>"
+                    "the largest score, by step.</p>")
+        out += ("<p>Steps where a tensor's gradient norm left its own running baseline by more "
+                "than the spike threshold (<code>Run.spikes()</code>: a robust z-score of the "
+                "log-norm, see docs/semantics.md), with the first tensor (in backward order) "
+                'to spike: where the spike started.</p><table class="data" id="spike-table">'
+                "<thead><tr><th>step</th><th>first layer to spike</th><th>score</th>"
+                "<th>tensors spiking</th>"
                 f"<th>smallest clip factor</th></tr></thead><tbody>{rows}</tbody></table>")
     if data.clipped:
         steps = ", ".join(f"{step} ({factor:.3g})"

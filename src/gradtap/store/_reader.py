@@ -30,6 +30,8 @@ from gradtap.store._rows import Block, ChunkRows, SqlRows
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from gradtap._monitor.run_spikes import Spike
+
 
 def open_run(path: str | os.PathLike[str]) -> Run:
     """Open a run directory written by a :class:`~gradtap.Monitor` with ``store=path``.
@@ -261,6 +263,21 @@ class Run:
             stored = np.isin(steps, self._rows.steps(conn)[0])
         counts = np.stack([np.frombuffer(c, dtype="<i8") for _, c in rows]).astype(np.int64)
         return Histogram(np.asarray(edges, dtype=np.float64), counts[stored], steps[stored])
+
+    def spikes(self, threshold: float | None = None, warmup: int | None = None) -> list[Spike]:
+        """The run's gradient spikes: each ``(step, parameter)`` whose stored gradient norm left
+        its own running baseline by more than ``threshold`` (a robust z-score of the log-norm;
+        default 6) after ``warmup`` values of its history (default 20), as
+        :class:`~gradtap.Spike`, by step then in backward order; ``first`` marks each step's
+        first. Exact definition: ``docs/semantics.md``, "Gradient spikes". Reads one series at
+        a time.
+
+        Raises:
+            ValueError: a bad ``threshold`` or ``warmup``.
+        """
+        from gradtap._monitor.run_spikes import spikes_of
+
+        return spikes_of(self, threshold, warmup)
 
     def histogram_names(self) -> list[tuple[str, str]]:
         """Sorted ``(kind, name)`` pairs that have histograms."""

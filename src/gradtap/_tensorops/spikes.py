@@ -1,0 +1,269 @@
+"""The gradient-spike detector: each tensor's log-norm against a robust, trend-following
+baseline of its own recent history, with the step's common deviation taken out
+(``docs/semantics.md``, "Gradient spikes", is the definition; this is its implementation).
+
+For tensor ``i`` let ``x`` be the log of its finite, positive gradient norms in step order
+(other values are not scored and enter no history), ``h`` the up to ``WINDOW`` values before
+``x[t]`` (``n = len(h) >= 2``, ``m = n // 2``):
+
+* ``dev = x[t] - (median(h) + slope * (n + 1) / 2)``, ``slope = median(h[m:] - h[:n-m]) / m``:
+  the deviation from the history's median carried forward along its robust trend;
+* ``common``: the median of ``dev`` over the tensors that have one at this step (0 with fewer
+  than ``MIN_COMMON``): what the whole step shares (a harder batch, a schedule);
+* ``own = dev - common``, and ``s = max(SCALE_FLOOR, 1.4826 * median(|own|))`` over the tensor's
+  up to ``WINDOW`` previous ``own`` values;
+* ``c_score = common / max(SCALE_FLOOR, 1.4826 * median(|common|))`` over the up to ``WINDOW``
+  previous steps that had a common deviation (``-inf`` before ``warmup`` of them, or without
+  one this step);
+* ``score = max(own / s, min(c_score, dev / s))``: the tensor's own jump, or the whole step's
+  jump where this tensor took part in it.
+
+A value is scored once ``h`` holds ``warmup`` values; it is a spike when ``score >
+threshold``. Every valid value enters the history, a spike too: medians move by at most one
+rank per value, so one spike neither masks the next nor moves the baseline.
+
+:func:`scores` scores a table of norms (vectorised over steps); :class:`OnlineScores` scores
+many tensors one step at a time (vectorised over tensors) with exactly the same numbers.
+
+Example:
+    >>> import numpy as np
+    >>> norms = np.exp(np.sin(np.arange(40) / 5.0) * 0.1)
+    >>> norms[30] *= 10
+    >>> z = series_scores(norms, warmup=20)
+    >>> np.flatnonzero(z > THRESHOLD).tolist()
+    [30]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["MIN_COMMON", "SCALE_FLOOR", "THRESHOLD", "WARMUP", "WINDOW", "OnlineScores",
+           "check_spike_args", "scores", "series_scores"]
+
+#: Values of history the baseline and the scale are taken over.
+WINDOW = 64
+#: Default values of a tensor's history before its norms are scored.
+WARMUP = 20
+#: Default score above which a norm is a spike.
+THRESHOLD = 6.0
+#: The smallest scale, in natural-log units: with it a norm must be at least
+#: ``exp(threshold * SCALE_FLOOR)`` times its baseline (2.46x at the default threshold).
+SCALE_FLOOR = 0.15
+#: ``1.4826 / sqrt(2)``: a median absolute difference of successive values of independent
+#: normal values, to their standard deviation.
+_DIFF_TO_SD = 1.4826 / math.sqrt(2.0)
+#: Tensors with a deviation at a step for it to have a common deviation.
+MIN_COMMON = 3
+
+
+def check_spike_args(threshold: float, warmup: int, what: str = "spikes()") -> None:
+    """Raise ``ValueError`` for a threshold that is not a finite number > 0 or a warm-up that
+    is not an int >= 3."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            0 < threshold < math.inf):
+        raise ValueError(f"{what}: threshold must be a finite number > 0 (a robust z-score of "
+                         f"the log-norm, e.g. {THRESHOLD:g}); got {threshold!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 3:
+        raise ValueError(f"{what}: warmup must be an int >= 3 (values of a tensor's history "
+                         f"before it is scored); got {warmup!r}")
+
+
+def _log_valid(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(log of the valid values, their positions)``: valid = finite and > 0."""
+    values = np.asarray(values, dtype=np.float64)
+    ok = np.isfinite(values) & (values > 0)
+    return np.log(values[ok]), np.flatnonzero(ok)
+
+
+def _baselines(win: np.ndarray) -> np.ndarray:
+    """The trend-following baseline of each row of ``win`` ([rows, n], n >= 2): a history in
+    step order."""
+    n = win.shape[1]
+    m = n // 2
+    slope = np.median(win[:, m:] - win[:, :n - m], axis=1) / m
+    return np.median(win, axis=1) + slope * ((n + 1) / 2)
+
+
+def _scales(win: np.ndarray) -> np.ndarray:
+    """The robust scale of each row of ``win`` ([rows, n], n >= 1): deviations from 0."""
+    return np.maximum(SCALE_FLOOR, 1.4826 * np.median(np.abs(win), axis=1))
+
+
+def _trailing(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray], least: int) -> np.ndarray:
+    """``f`` of the up to ``WINDOW`` values of ``x`` before each position (NaN where fewer
+    than ``least``)."""
+    out = np.full(len(x), np.nan)
+    ts = np.arange(least, len(x))
+    full = ts[ts >= WINDOW]
+    if len(full):
+        out[full] = f(np.lib.stride_tricks.sliding_window_view(x, WINDOW)[full - WINDOW])
+    for t in ts[ts < WINDOW].tolist():
+        out[t] = f(x[None, :t])[0]
+    return out
+
+
+def _common(dev: np.ndarray) -> np.ndarray:
+    """The step's common deviation: the median over the tensors with one (rows of ``dev``,
+    NaN: none), 0 with fewer than :data:`MIN_COMMON`."""
+    counts = np.sum(~np.isnan(dev), axis=1)
+    out = np.zeros(len(dev))
+    many = counts >= MIN_COMMON
+    if many.any():
+        out[many] = np.nanmedian(dev[many], axis=1)
+    return out
+
+
+def scores(values: np.ndarray, warmup: int = WARMUP) -> np.ndarray:
+    """Score the norms ``values`` ([steps, tensors], NaN: no norm that step): the score of each,
+    NaN where not scored (not finite, not > 0, or fewer than ``warmup`` valid values of that
+    tensor before it)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2:
+        raise ValueError(f"scores() needs norms [steps, tensors]; got shape {values.shape}")
+    steps, n = values.shape
+    warmup = max(int(warmup), 3)
+    dev = np.full((steps, n), np.nan)  # log-norm - its baseline, where it has one
+    count = np.zeros((steps, n), dtype=np.int64)  # valid values before each step
+    valid = [np.flatnonzero(np.isfinite(values[:, i]) & (values[:, i] > 0)) for i in range(n)]
+    for i, at in enumerate(valid):
+        x = np.log(values[at, i])
+        dev[at, i] = x - _trailing(x, _baselines, 2)
+        count[at, i] = np.arange(len(at))
+    common = _common(dev)
+    has_common = np.sum(~np.isnan(dev), axis=1) >= MIN_COMMON
+    c_score = np.full(steps, -np.inf)  # the step's common score, -inf: none
+    c_at = np.flatnonzero(has_common)
+    c_score[c_at] = common[c_at] / _trailing(common[c_at], _scales, warmup)
+    c_score[np.isnan(c_score)] = -np.inf
+    out = np.full((steps, n), np.nan)
+    for i, at in enumerate(valid):
+        at = at[~np.isnan(dev[at, i])]  # the first value has no baseline
+        own = dev[at, i] - common[at]
+        scale = _trailing(own, _scales, 1)
+        scored = count[at, i] >= warmup
+        s, d, c = scale[scored], dev[at[scored], i], c_score[at[scored]]
+        out[at[scored], i] = np.maximum(own[scored] / s, np.minimum(c, d / s))
+    return out
+
+
+def series_scores(values: np.ndarray, warmup: int = WARMUP) -> np.ndarray:
+    """:func:`scores` of one tensor's norms (in step order)."""
+    return scores(np.asarray(values, dtype=np.float64)[:, None], warmup)[:, 0]
+
+
+class OnlineScores:
+    """:func:`scores` for ``n`` tensors, one step at a time, with exactly the same numbers.
+
+    :meth:`score` scores a step's norms (NaN: no valid norm this step, or not warmed up)
+    without changing the history; :meth:`push` then adds them to it. Call both once a step.
+    """
+
+    def __init__(self, n: int, warmup: int = WARMUP) -> None:
+        self.warmup = max(int(warmup), 3)
+        self._x = np.full((n, WINDOW), np.nan)  # log-norms, right-aligned, oldest first
+        self._own = np.full((n, WINDOW), np.nan)  # own deviations (dev - common), likewise
+        self._c = np.full(WINDOW, np.nan)  # common deviations of the steps that had one
+        self._count = np.zeros(n, dtype=np.int64)
+        self._n_own = np.zeros(n, dtype=np.int64)
+        self._n_c = 0
+        self._base = np.full(n, np.nan)  # each tensor's baseline for the next value
+        self._fresh = True
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray, float | None] | None = None
+
+    @property
+    def count(self) -> np.ndarray:
+        """Valid values in each tensor's history so far."""
+        return self._count
+
+    def grow(self, k: int) -> None:
+        """Add ``k`` tensors with no history (after the last ones)."""
+        n = len(self._count)
+        self._x = np.concatenate([self._x, np.full((k, WINDOW), np.nan)])
+        self._own = np.concatenate([self._own, np.full((k, WINDOW), np.nan)])
+        self._count = np.concatenate([self._count, np.zeros(k, dtype=np.int64)])
+        self._n_own = np.concatenate([self._n_own, np.zeros(k, dtype=np.int64)])
+        self._base = np.concatenate([self._base[:n], np.full(k, np.nan)])
+        self._pending = None
+
+    def baseline(self) -> np.ndarray:
+        """Each tensor's baseline for its next value, in log units (NaN before two values)."""
+        self._refresh()
+        return self._base
+
+    def score(self, values: np.ndarray) -> np.ndarray:
+        """The scores of one step's norms (NaN where not scored)."""
+        self._refresh()
+        values = np.asarray(values, dtype=np.float64)
+        ok = np.isfinite(values) & (values > 0)
+        x = np.full(len(values), np.nan)
+        x[ok] = np.log(values[ok])
+        dev = x - self._base  # NaN where no value or no baseline
+        have = ~np.isnan(dev)
+        common = float(_common(dev[None, :])[0])
+        c = common if have.sum() >= MIN_COMMON else None
+        own = dev - common
+        out = np.full(len(values), np.nan)
+        scored = have & (self._count >= self.warmup)
+        if scored.any():
+            c_score = -np.inf
+            if c is not None and self._n_c >= self.warmup:
+                c_score = c / _scales(self._c[None, WINDOW - min(self._n_c, WINDOW):])[0]
+            rows = np.flatnonzero(scored)
+            scale = self._own_scales(rows)
+            out[rows] = np.maximum(own[rows] / scale, np.minimum(c_score, dev[rows] / scale))
+        self._pending = (ok, x, np.where(have, own, np.nan), c)
+        return out
+
+    def push(self, values: np.ndarray) -> None:
+        """Add the norms of the step just scored (``values``, as given to :meth:`score`)."""
+        if self._pending is None:
+            self.score(values)
+        assert self._pending is not None
+        ok, x, own, c = self._pending
+        self._pending = None
+        _shift_in(self._x, ok, x)
+        has_own = ~np.isnan(own)
+        _shift_in(self._own, has_own, own)
+        self._n_own += has_own
+        if c is not None:
+            self._c[:-1] = self._c[1:]
+            self._c[-1] = c
+            self._n_c += 1
+        self._count += ok
+        self._fresh = False
+
+    def _own_scales(self, rows: np.ndarray) -> np.ndarray:
+        n_own = self._n_own[rows]
+        full = n_own >= WINDOW
+        out = np.empty(len(rows))
+        if full.any():
+            out[full] = _scales(self._own[rows[full]])
+        for k in np.flatnonzero(~full).tolist():
+            out[k] = _scales(self._own[rows[k]:rows[k] + 1, WINDOW - n_own[k]:])[0]
+        return out
+
+    def _refresh(self) -> None:
+        if self._fresh:
+            return
+        self._fresh = True
+        full = self._count >= WINDOW
+        self._base = np.full(len(self._count), np.nan)
+        if full.any():
+            self._base[full] = _baselines(self._x[full])
+        for i in np.flatnonzero(~full & (self._count >= 2)).tolist():
+            self._base[i] = _baselines(self._x[i:i + 1, WINDOW - self._count[i]:])[0]
+
+
+def _shift_in(ring: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """Append ``values[rows]`` to the right-aligned histories ``ring[rows]``."""
+    if rows.all():
+        ring[:, :-1] = ring[:, 1:]
+        ring[:, -1] = values
+    elif rows.any():
+        at = np.flatnonzero(rows)
+        ring[at, :-1] = ring[at, 1:]
+        ring[at, -1] = values[at]

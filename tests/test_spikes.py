@@ -1,0 +1,213 @@
+"""The gradient-spike detector against a plain float64 loop over steps written from its
+definition (docs/semantics.md, "Gradient spikes"), its online form against its offline one,
+and ``Run.spikes()`` on stores written by a real Monitor."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradtap as gt
+from gradtap._monitor.history import MemoryRun
+from gradtap._tensorops.spikes import (
+    MIN_COMMON,
+    SCALE_FLOOR,
+    THRESHOLD,
+    WARMUP,
+    WINDOW,
+    OnlineScores,
+    scores,
+    series_scores,
+)
+
+
+def _robust(values: list[float]) -> float:
+    return max(SCALE_FLOOR, 1.4826 * statistics.median(abs(v) for v in values))
+
+
+def _reference(table: list[list[float]], warmup: int) -> list[list[float]]:
+    """The score of each norm ([steps][tensors], NaN: none), from the definition, one step
+    and one tensor at a time."""
+    n = len(table[0]) if table else 0
+    xs: list[list[float]] = [[] for _ in range(n)]  # each tensor's log-norms
+    owns: list[list[float]] = [[] for _ in range(n)]
+    commons: list[float] = []
+    out = []
+    for row in table:
+        dev = [math.nan] * n
+        for i, v in enumerate(row):
+            h = xs[i][-WINDOW:]
+            if math.isfinite(v) and v > 0 and len(h) >= 2:
+                k, m = len(h), len(h) // 2
+                slope = statistics.median(h[m + j] - h[j] for j in range(k - m)) / m
+                dev[i] = math.log(v) - (statistics.median(h) + slope * (k + 1) / 2)
+        have = [d for d in dev if not math.isnan(d)]
+        common = statistics.median(have) if len(have) >= MIN_COMMON else 0.0
+        c_score = -math.inf
+        if len(have) >= MIN_COMMON and len(commons) >= max(warmup, 3):
+            c_score = common / _robust(commons[-WINDOW:])
+        scored = []
+        for i in range(n):
+            if math.isnan(dev[i]) or len(xs[i]) < max(warmup, 3):
+                scored.append(math.nan)
+                continue
+            s = _robust(owns[i][-WINDOW:])
+            own = dev[i] - common
+            scored.append(max(own / s, min(c_score, dev[i] / s)))
+        out.append(scored)
+        for i, v in enumerate(row):
+            if math.isfinite(v) and v > 0:
+                xs[i].append(math.log(v))
+            if not math.isnan(dev[i]):
+                owns[i].append(dev[i] - common)
+        if len(have) >= MIN_COMMON:
+            commons.append(common)
+    return out
+
+
+_norm = st.one_of(
+    st.floats(1e-6, 1e6),
+    st.sampled_from([0.0, -1.0, math.nan, math.inf, 1.0, 10.0]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 5), steps=st.integers(0, 2 * WINDOW + 10),
+       warmup=st.integers(3, WINDOW + 5))
+def test_scores_equal_the_loop_over_steps_and_the_online_scores(data, n, steps, warmup):
+    table = data.draw(st.lists(st.lists(_norm, min_size=n, max_size=n), min_size=steps,
+                               max_size=steps))
+    values = np.array(table, dtype=np.float64).reshape(steps, n)
+    want = np.array(_reference(table, warmup), dtype=np.float64).reshape(steps, n)
+    got = scores(values, warmup)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, equal_nan=True)
+    online = OnlineScores(n, warmup)
+    step_by_step = np.empty_like(values)
+    for t in range(steps):
+        step_by_step[t] = online.score(values[t])
+        online.push(values[t])
+    np.testing.assert_array_equal(step_by_step, got)  # exactly the same numbers
+
+
+def test_a_trend_and_a_step_decay_score_low_and_a_x10_spike_scores_high():
+    rng = np.random.default_rng(0)
+    t = np.arange(1000)
+    log_norm = -3 * t / 1000 + np.where(t > 500, -1.0, 0.0) * 0 + rng.normal(0, 0.1, 1000)
+    log_norm += np.log(np.minimum(1.0, (t + 1) / 100))  # a warm-up ramp
+    scores = series_scores(np.exp(log_norm))
+    assert np.nanmax(scores[WARMUP:]) < THRESHOLD
+    spiked = np.exp(log_norm)
+    spiked[[300, 301, 700]] *= 10  # two in a row: the first does not mask the second
+    scores = series_scores(spiked)
+    assert np.flatnonzero(scores > THRESHOLD).tolist() == [300, 301, 700]
+
+
+def test_bad_arguments_are_named():
+    run = MemoryRun({})
+    with pytest.raises(ValueError, match="threshold must be a finite number > 0"):
+        run.spikes(threshold=0)
+    with pytest.raises(ValueError, match="warmup must be an int >= 3"):
+        run.spikes(warmup=2)
+    assert run.spikes() == []  # no norm stored
+
+
+def _train(run_dir, inject: tuple[int, str] | None, steps: int = 80) -> list[str]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(512, 6)
+    y = torch.sin(x[:, :3]) + 2.0  # an offset the biases learn slowly: steady bias gradients
+    params = dict(net.named_parameters())
+    with gt.Monitor(net, store=run_dir) as mon:
+        for step in range(steps):
+            i = torch.randint(0, 512, (32,))
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x[i]), y[i]).backward()
+            if inject is not None and step == inject[0]:
+                params[inject[1]].grad.mul_(10.0)  # after backward, as a bad batch would
+            mon.step()
+            opt.step()
+    return list(params)
+
+
+@pytest.mark.parametrize("name", ["2.bias", "0.weight"])
+def test_run_spikes_of_a_monitor_store_name_the_injected_tensor(tmp_path, name):
+    _train(tmp_path, (50, name))
+    run = gt.open_run(tmp_path)
+    spikes = run.spikes()
+    assert [(s.step, s.name, s.kind, s.first) for s in spikes] == [(50, name, "param_grad", True)]
+    steps, norms = run.series(name, "norm")
+    assert spikes[0].value == norms[steps.tolist().index(50)]
+    assert spikes[0].score == pytest.approx(series_scores(norms)[50], rel=1e-12)
+    assert isinstance(spikes[0], gt.Spike)
+
+
+def test_run_spikes_of_a_healthy_run_are_none_and_the_memory_run_agrees(tmp_path):
+    _train(tmp_path / "a", None)
+    assert gt.open_run(tmp_path / "a").spikes() == []
+    _train(tmp_path / "b", (60, "0.bias"))
+    stored = gt.open_run(tmp_path / "b")
+    memory = MemoryRun(stored.meta)
+    steps, ids, values, series = stored.arrays()
+    for s in np.unique(steps):
+        at = steps == s
+        memory.write_step(int(s), [(i, *k) for i, k in enumerate(series)] if s == steps[0]
+                          else [], ids[at], values[at])
+    assert memory.spikes() == stored.spikes() != []
+
+
+def test_first_is_the_earliest_in_backward_order():
+    run = MemoryRun({"selected": {"parameters": ["a", "b", "c"]}})
+    series = [(i, n, "param_grad", "norm") for i, n in enumerate("abc")]
+    for step in range(40):
+        norms = 1.0 + 0.01 * np.array([step % 3, step % 2, step % 5])
+        if step == 30:
+            norms[[0, 1]] *= 10  # a and b spike; b's gradient is computed before a's
+        run.write_step(step, series if step == 0 else [], np.arange(3), norms)
+    got = [(s.step, s.name, s.first) for s in run.spikes()]
+    assert got == [(30, "b", True), (30, "a", False)]
+    assert [s.name for s in run.spikes(threshold=1e6)] == []
+
+
+def _detect_run(inject: dict[int, str], steps: int = 120) -> list[gt.Anomaly]:
+    """Train a small regression with a decaying learning rate under ``detect(spike=True)``;
+    at each step of ``inject`` the named parameter's gradient is multiplied by 10 in that
+    step's backward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.99)
+    x = torch.randn(512, 6)
+    y = torch.sin(x[:, :3]) + 2.0
+    params = dict(net.named_parameters())
+    with gt.detect(net, spike=True, action="record") as det:
+        for step in range(steps):
+            i = torch.randint(0, 512, (32,))
+            opt.zero_grad()
+            hook = params[inject[step]].register_hook(lambda g: g * 10) if step in inject else None
+            nn.functional.mse_loss(net(x[i]), y[i]).backward()
+            if hook is not None:
+                hook.remove()
+            det.should_skip()
+            det.step()
+            opt.step()
+            sched.step()
+    return det.anomalies
+
+
+def test_detect_finds_x10_spikes_in_one_tensor_a_linear_bias_included():
+    inject = {40: "2.bias", 70: "0.weight", 90: "0.bias", 110: "2.weight"}
+    got = [(a.step, a.module_name, a.slot, a.kind, a.where) for a in _detect_run(inject)]
+    assert got == [(s, n.split(".")[0], n.split(".")[1], "spike", "param_grad")
+                   for s, n in inject.items()]
+
+
+def test_detect_reports_nothing_on_a_healthy_decaying_run():
+    assert _detect_run({}) == []
