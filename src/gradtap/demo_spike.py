@@ -10,8 +10,8 @@ clipping, ``torch.nn.utils.clip_grad_norm_(1.0)``, ``gt.zclip()`` and ``gt.adagc
 (``gradtap demo --inject-spike STEPS``).
 
 Files written into the run directory: ``run.db`` (a Monitor on the ``gt.zclip`` run with
-stats ``norm`` and ``zscore``, so the report's "Gradient spikes" section names the first layer
-to spike), ``metrics.json`` (the four loss curves, see
+stats ``norm`` and ``zscore``; the report's "Gradient spikes" section, ``Run.spikes()`` from
+the norms, names the first layer to spike), ``metrics.json`` (the four loss curves, see
 :func:`gradtap.report.data.write_metrics`) and ``report.html`` once the caller writes it.
 
 A spike is *survived* when every loss from the spike step on is finite and some loss within
