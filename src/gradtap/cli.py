@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                         "ViT's classifier), base (AutoModel, no head), pretraining, causal-lm, "
                         "masked-lm, seq2seq-lm, sequence-classification, token-classification, "
                         "image-classification, audio-classification, ctc, speech-seq2seq")
-    p.add_argument("--select", default="*", help="glob of modules to explain (default: every submodule)")
+    p.add_argument("--select", default=None,
+                   help="glob of modules to explain (default: every submodule, or the model "
+                        "itself when it has none)")
     p.add_argument("--json", action="store_true",
                    help="print the explanation as JSON (Explanation.to_dict()) instead of tables")
     p.add_argument("--legacy", action="store_true",
