@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradtap._text import format_number, format_table
+from gradtap.errors import MissingExtraError
 
 __all__ = ["main"]
 
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except _CliError as err:
+    except (_CliError, MissingExtraError) as err:  # a missing extra says what to install
         print(f"gradtap {args.verb}: error: {err}", file=sys.stderr)
         return 2
 
