@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -135,3 +136,36 @@ def test_cli_explain_bare_layer_factory(tmp_path, capsys):
     (tmp_path / "bare.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(5, 3)\n")
     assert main(["explain", f"{tmp_path / 'bare.py'}:build", "--input-shape", "2,5"]) == 0
     assert "Linear '(root)' call 0" in capsys.readouterr().out
+
+
+def test_cli_explain_runs_the_file_with_its_own_argv(tmp_path, capsys, monkeypatch):
+    # A training script that parses its command line at import: it must not see gradtap's.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, sys
+        import torch
+        SEEN = list(sys.argv)
+        print("argv at import:", SEEN)
+        args = argparse.ArgumentParser().parse_args()  # exits on an unknown argument
+
+        def build():
+            assert sys.argv == SEEN, (sys.argv, SEEN)
+            return torch.nn.Sequential(torch.nn.Linear(3, 2))
+    """))
+    argv = ["explain", f"{script}:build", "--input-shape", "4,3", "--select", "0"]
+    monkeypatch.setattr(sys, "argv", ["gradtap", *argv])
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Linear '0' call 0" in captured.out, captured.err
+    assert f"argv at import: [{str(script)!r}]" in captured.out
+    assert sys.argv == ["gradtap", *argv]  # restored
+
+
+def test_cli_explain_file_that_exits_at_import_is_one_line(tmp_path, capsys):
+    script = tmp_path / "needs_args.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().add_argument('--data', "
+                      "required=True)\nimport sys\nsys.exit(3)\n")
+    assert main(["explain", f"{script}:build", "--input-shape", "4,3"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"gradtap explain: error: {script} exited (code 3) while gradtap "
+                          f"imported it and called build() with sys.argv = ['{script}']")

@@ -220,7 +220,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         if not args.input_shape:
             raise _CliError("--input-shape is required with FILE.py:FACTORY (e.g. --input-shape 2,1,28,28)")
-        model = _load_factory(args.target)()
+        model = _build_from_factory(args.target)
         shape = _parse_shape(args.input_shape)
     if not isinstance(model, torch.nn.Module):
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
@@ -543,7 +543,10 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _load_factory(target: str):
+def _build_from_factory(target: str) -> Any:
+    """Import FILE.py and call FACTORY in it, with ``sys.argv`` the file alone (as if it ran
+    with no arguments), so a script that parses its command line at import does not read
+    gradtap's."""
     path_text, sep, name = target.rpartition(":")
     if not sep or not name:
         raise _CliError(f"expected FILE.py:FACTORY, e.g. models.py:build; got {target!r}")
@@ -554,12 +557,22 @@ def _load_factory(target: str):
     if spec is None or spec.loader is None:
         raise _CliError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise _CliError(f"{path} has no callable {name!r}; callables there: {', '.join(names) or '(none)'}")
-    return factory
+    saved_argv, sys.argv = sys.argv, [str(path)]
+    try:
+        spec.loader.exec_module(module)
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            names = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_"))
+            raise _CliError(f"{path} has no callable {name!r}; callables there: "
+                            f"{', '.join(names) or '(none)'}")
+        return factory()
+    except SystemExit as exc:  # e.g. its argparse wants arguments it was not given
+        raise _CliError(f"{path} exited (code {exc.code}) while gradtap imported it and called "
+                        f"{name}() with sys.argv = [{str(path)!r}]; keep its command-line code "
+                        f"under `if __name__ == \"__main__\":`") from exc
+    finally:
+        sys.argv = saved_argv
 
 
 if __name__ == "__main__":
