@@ -138,7 +138,8 @@ def test_explain_hf_without_transformers_says_what_to_install(monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     assert main(["explain", "--hf", "gpt2", "--config", GPT2]) == 2
     err = capsys.readouterr().err
-    assert "needs the transformers package" in err and "pip install 'gradtap[transformers]'" in err
+    assert "needs transformers" in err and 'pip install "gradtap[transformers]"' in err
+    assert 'pip install -c constraints.txt ".[transformers]"' in err
 
 
 def test_parse_config_reads_python_literals_else_strings():
@@ -276,3 +277,15 @@ def test_explain_json_is_the_explanation_as_data(capsys):
             assert slot["shape"] == (None if g is None else list(g.shape))
             if g is not None:
                 assert slot["norm"] == pytest.approx(float(g.double().norm()), rel=1e-6)
+
+
+def test_demo_without_scikit_learn_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn...` fails
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert main(["demo", "--steps", "2", "--no-progress", "--out", str(tmp_path / "demo")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        'gradtap demo: error: the demo (its bundled digits data) needs scikit-learn, an optional '
+        'dependency of gradtap: pip install "gradtap[demo]" (from a clone: pip install -c '
+        'constraints.txt ".[demo]")\n')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -108,3 +109,63 @@ def test_the_tables_fit_the_terminal_and_say_each_meaning_once(monkeypatch):
     assert "..." not in full and max(len(line) for line in full.splitlines()) > 72
     html = ex._repr_html_()
     assert html.count("<table>") == len(ex.records)
+
+
+def test_explain_bare_layer_explains_the_layer_itself():
+    # A model without submodules: the default selection is the root (select="" elsewhere).
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    x = torch.randn(4, 5, requires_grad=True)
+    ex = gt.explain(layer, x)
+    assert [(r.module_name, r.module_type, r.call) for r in ex.records] == [("", "Linear", 0)]
+    (rec,) = ex.records
+    out = layer(x)
+    g_x, g_w, g_b = torch.autograd.grad(out.sum(), (x, layer.weight, layer.bias))
+    slots = {f"{role}:{key}": grad for role, key, grad in rec.slots()}
+    torch.testing.assert_close(slots["output:output"], torch.ones_like(out))
+    torch.testing.assert_close(slots["input:input"], g_x)
+    torch.testing.assert_close(slots["parameter:weight"], g_w)
+    torch.testing.assert_close(slots["parameter:bias"], g_b)
+    assert "Linear '(root)' call 0" in str(ex)
+    # A model with submodules still explains only the submodules by default.
+    net = nn.Sequential(nn.Linear(5, 3))
+    assert [r.module_name for r in gt.explain(net, x).records] == ["0"]
+
+
+def test_cli_explain_bare_layer_factory(tmp_path, capsys):
+    (tmp_path / "bare.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(5, 3)\n")
+    assert main(["explain", f"{tmp_path / 'bare.py'}:build", "--input-shape", "2,5"]) == 0
+    assert "Linear '(root)' call 0" in capsys.readouterr().out
+
+
+def test_cli_explain_runs_the_file_with_its_own_argv(tmp_path, capsys, monkeypatch):
+    # A training script that parses its command line at import: it must not see gradtap's.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, sys
+        import torch
+        SEEN = list(sys.argv)
+        print("argv at import:", SEEN)
+        args = argparse.ArgumentParser().parse_args()  # exits on an unknown argument
+
+        def build():
+            assert sys.argv == SEEN, (sys.argv, SEEN)
+            return torch.nn.Sequential(torch.nn.Linear(3, 2))
+    """))
+    argv = ["explain", f"{script}:build", "--input-shape", "4,3", "--select", "0"]
+    monkeypatch.setattr(sys, "argv", ["gradtap", *argv])
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Linear '0' call 0" in captured.out, captured.err
+    assert f"argv at import: [{str(script)!r}]" in captured.out
+    assert sys.argv == ["gradtap", *argv]  # restored
+
+
+def test_cli_explain_file_that_exits_at_import_is_one_line(tmp_path, capsys):
+    script = tmp_path / "needs_args.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().add_argument('--data', "
+                      "required=True)\nimport sys\nsys.exit(3)\n")
+    assert main(["explain", f"{script}:build", "--input-shape", "4,3"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"gradtap explain: error: {script} exited (code 3) while gradtap "
+                          f"imported it and called build() with sys.argv = ['{script}']")

@@ -127,7 +127,7 @@ def explain(
     inputs: Tensor | tuple[Any, ...] | Mapping[str, Any],
     *,
     loss: Callable[[Any], Tensor] | None = None,
-    select: Selector = "*",
+    select: Selector | None = None,
     legacy: bool = False,
 ) -> Explanation:
     """Run one forward and backward and explain every gradient each selected layer saw.
@@ -139,7 +139,8 @@ def explain(
         model: the model.
         inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
         loss: ``loss(output) -> scalar``; by default the sum of every floating tensor in the output.
-        select: which modules to explain (default every submodule).
+        select: which modules to explain; by default every submodule, or the model itself
+            (``select=""``) when it has no submodules, e.g. ``explain(nn.Linear(5, 3), x)``.
         legacy: also show each slot's index in ``grad_input`` of the legacy
             ``register_backward_hook``, found by matching values.
 
@@ -153,7 +154,10 @@ def explain(
         >>> ex.legacy[("2", 0)]["parameter:weight"]
         '2 (transposed)'
     """
-    selected = session(model, "explain()").modules(select)
+    state = session(model, "explain()")
+    if select is None:  # a model without submodules (a bare layer) is explained itself
+        select = "*" if next(state.root.children(), None) is not None else ""
+    selected = state.modules(select)
     saved_grads = {p: p.grad for p in model.parameters()}
     for p in saved_grads:
         p.grad = None  # backward would otherwise accumulate into the user's tensors in place

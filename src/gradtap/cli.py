@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradtap._text import format_number, format_table
+from gradtap.errors import MissingExtraError
 
 __all__ = ["main"]
 
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except _CliError as err:
+    except (_CliError, MissingExtraError) as err:  # a missing extra says what to install
         print(f"gradtap {args.verb}: error: {err}", file=sys.stderr)
         return 2
 
@@ -69,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                         "ViT's classifier), base (AutoModel, no head), pretraining, causal-lm, "
                         "masked-lm, seq2seq-lm, sequence-classification, token-classification, "
                         "image-classification, audio-classification, ctc, speech-seq2seq")
-    p.add_argument("--select", default="*", help="glob of modules to explain (default: every submodule)")
+    p.add_argument("--select", default=None,
+                   help="glob of modules to explain (default: every submodule, or the model "
+                        "itself when it has none)")
     p.add_argument("--json", action="store_true",
                    help="print the explanation as JSON (Explanation.to_dict()) instead of tables")
     p.add_argument("--legacy", action="store_true",
@@ -217,7 +220,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         if not args.input_shape:
             raise _CliError("--input-shape is required with FILE.py:FACTORY (e.g. --input-shape 2,1,28,28)")
-        model = _load_factory(args.target)()
+        model = _build_from_factory(args.target)
         shape = _parse_shape(args.input_shape)
     if not isinstance(model, torch.nn.Module):
         raise _CliError(f"the factory returned {type(model).__name__}, not a torch.nn.Module")
@@ -540,7 +543,10 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _load_factory(target: str):
+def _build_from_factory(target: str) -> Any:
+    """Import FILE.py and call FACTORY in it, with ``sys.argv`` the file alone (as if it ran
+    with no arguments), so a script that parses its command line at import does not read
+    gradtap's."""
     path_text, sep, name = target.rpartition(":")
     if not sep or not name:
         raise _CliError(f"expected FILE.py:FACTORY, e.g. models.py:build; got {target!r}")
@@ -551,12 +557,22 @@ def _load_factory(target: str):
     if spec is None or spec.loader is None:
         raise _CliError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise _CliError(f"{path} has no callable {name!r}; callables there: {', '.join(names) or '(none)'}")
-    return factory
+    saved_argv, sys.argv = sys.argv, [str(path)]
+    try:
+        spec.loader.exec_module(module)
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            names = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_"))
+            raise _CliError(f"{path} has no callable {name!r}; callables there: "
+                            f"{', '.join(names) or '(none)'}")
+        return factory()
+    except SystemExit as exc:  # e.g. its argparse wants arguments it was not given
+        raise _CliError(f"{path} exited (code {exc.code}) while gradtap imported it and called "
+                        f"{name}() with sys.argv = [{str(path)!r}]; keep its command-line code "
+                        f"under `if __name__ == \"__main__\":`") from exc
+    finally:
+        sys.argv = saved_argv
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradtap._types import is_int
+from gradtap.errors import missing_extra
 from gradtap.report.data import anomaly_to_dict, write_anomalies, write_metrics
 
 __all__ = ["DemoNet", "DemoResult", "load_digits_tensors", "run_demo"]
@@ -79,13 +80,12 @@ def load_digits_tensors(seed: int = 0, test_size: int = 297) -> tuple[torch.Tens
     """Return ``(x_train [N, 1, 8, 8], y_train [N], x_test, y_test)``, standardized, split by seed.
 
     Raises:
-        ImportError: scikit-learn is missing (``pip install gradtap[demo]``).
+        ImportError: scikit-learn is missing (``pip install "gradtap[demo]"``).
     """
     try:
         from sklearn.datasets import load_digits
     except ImportError as err:  # pragma: no cover - scikit-learn is a demo/test dependency
-        raise ImportError("the demo needs scikit-learn's bundled digits data: "
-                          "pip install gradtap[demo]") from err
+        raise missing_extra("the demo (its bundled digits data)", "scikit-learn", "demo") from err
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)

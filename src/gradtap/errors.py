@@ -40,3 +40,19 @@ class GradientAnomaly(GradtapError, FloatingPointError):
     def __init__(self, message: str, anomaly: Any = None) -> None:
         super().__init__(message)
         self.anomaly = anomaly
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is missing; the message names the extra that installs it.
+
+    Internal (not in ``__all__``): raised through :func:`missing_extra`, and what the command
+    line reports in one line instead of a traceback. Catch ``ImportError``.
+    """
+
+
+def missing_extra(what: str, package: str, extra: str) -> MissingExtraError:
+    """The error for ``what`` needing ``package`` from gradtap's optional ``extra``, with the
+    install command for a package install and for a clone (pinned by ``constraints.txt``)."""
+    return MissingExtraError(
+        f'{what} needs {package}, an optional dependency of gradtap: pip install "gradtap[{extra}]" '
+        f'(from a clone: pip install -c constraints.txt ".[{extra}]")', name=package)

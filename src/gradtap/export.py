@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradtap.errors import missing_extra
 from gradtap.store import Run
 
 __all__ = ["export_tensorboard", "to_tensorboard"]
@@ -44,10 +45,7 @@ def to_tensorboard(run: Run | str | os.PathLike[str], log_dir: str | os.PathLike
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
-        raise ImportError(
-            "to_tensorboard needs tensorboard, an optional dependency of gradtap: "
-            "pip install gradtap[tensorboard]"
-        ) from err
+        raise missing_extra("to_tensorboard", "tensorboard", "tensorboard") from err
     if not isinstance(run, Run):
         run = Run(run)
     log_dir = Path(log_dir)

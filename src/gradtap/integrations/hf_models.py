@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gradtap.errors import GradtapError
+from gradtap.errors import GradtapError, missing_extra
 
 __all__ = [
     "AUTO_ORDER",
@@ -70,7 +70,6 @@ AUTO_ORDER: tuple[str, ...] = (
 )
 _ENCODER_DECODER_ONLY = ("seq2seq-lm", "speech-seq2seq")
 
-INSTALL_HINT = "pip install 'gradtap[transformers]'"
 
 _BATCH = 2
 _LENGTH = 8
@@ -84,10 +83,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as err:
-        raise ImportError(
-            f"building Hugging Face models needs the transformers package; install it with: "
-            f"{INSTALL_HINT}"
-        ) from err
+        raise missing_extra("building Hugging Face models", "transformers", "transformers") from err
     return transformers
 
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from gradtap.errors import missing_extra
+
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("gradtap.integrations.lightning needs Lightning: "
-                      "pip install gradtap[lightning]") from exc
+    raise missing_extra("gradtap.integrations.lightning", "Lightning", "lightning") from exc
 
 from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from gradtap.errors import missing_extra
+
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("gradtap.integrations.transformers needs transformers: "
-                      "pip install gradtap[transformers]") from exc
+    raise missing_extra("gradtap.integrations.transformers", "transformers", "transformers") from exc
 
 from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector

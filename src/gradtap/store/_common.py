@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradtap._types import STAT_NAMES
-from gradtap.errors import SelectionError, StoreError
+from gradtap.errors import SelectionError, StoreError, missing_extra
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -241,9 +241,7 @@ def import_pandas(what: str) -> Any:
     try:
         import pandas as pd
     except ImportError as err:
-        raise ImportError(
-            f"{what} needs pandas, an optional dependency of gradtap: pip install gradtap[pandas]"
-        ) from err
+        raise missing_extra(what, "pandas", "pandas") from err
     return pd
 
 
