@@ -323,3 +323,16 @@ def test_the_dump_carries_the_samples(tmp_path):
     assert a.samples == (4, 1)  # two NaN in row 4, one in row 1
     assert a.dump_path is not None
     assert gt.load_dump(a.dump_path)["anomaly"]["samples"] == [4, 1]
+
+
+def test_benchmark_script_runs_quick(capsys):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        table = importlib.import_module("detect_samples").main(["--quick"])
+    finally:
+        sys.path.pop(0)
+    assert table.count("\n") == 2 and "samples=True (x gt.detect)" in table
