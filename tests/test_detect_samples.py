@@ -234,15 +234,20 @@ def test_sample_ids_are_checked():
         net(torch.randn(N, 4)).sum().backward()
         with pytest.raises(ValueError, match="pass samples=True"):
             det.step(sample_ids=list(range(N)))
+    bad = torch.randn(N, 4)
+    bad[0, 0] = float("nan")
     with gt.detect(net, action="record", samples=True) as det:
         net(torch.randn(N, 4)).sum().backward()
-        with pytest.raises(ValueError, match=r"has 3 ids, but this step's batch has 8"):
-            det.step(sample_ids=[1, 2, 3])
-        net(torch.randn(N, 4)).sum().backward()
-        with pytest.raises(TypeError, match="ints or strs"):
-            det.step(sample_ids=[1.5] * N)
-        with pytest.raises(TypeError, match="a sequence of ids"):
-            det.step(sample_ids="abcdefgh")
+        det.step(sample_ids=[1, 2, 3])  # a healthy step does not read them
+        for step, (ids, error, match) in enumerate([
+                ([1, 2, 3], ValueError, r"has 3 ids, but this step's batch has 8"),
+                ([1.5] * N, TypeError, "ints or strs"),
+                ("abcdefgh", TypeError, "a sequence of ids")], start=1):
+            net(bad).sum().backward()
+            with pytest.raises(error, match=match):
+                det.step(sample_ids=ids)
+            assert det.steps_done == step + 1  # the step is closed all the same
+        assert [a.sample_ids for a in det.anomalies] == [None] * 3
 
 
 def test_samples_and_their_ids_round_trip_through_the_run_store_and_show_in_the_report(tmp_path):

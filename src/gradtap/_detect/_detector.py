@@ -225,18 +225,26 @@ class Detector:
         Raises:
             GradientAnomaly: with ``action="raise"``, if a forward without backward was bad
                 (the step still advances).
-            ValueError: ``sample_ids`` without ``samples=True``, or not one per batch row.
-            TypeError: an id that is neither an int nor a str.
+            ValueError: ``sample_ids`` without ``samples=True``, or, on a step with an
+                anomaly, not one id per batch row (the step is closed all the same).
+            TypeError: on a step with an anomaly, ids that are not a sequence of ints and
+                strs.
         """
-        ids = self._sample_ids(sample_ids)
+        if sample_ids is not None and not self.samples:
+            raise ValueError("det.step(sample_ids=...) names the samples of anomalies: pass "
+                             "samples=True to gt.detect")
         try:
             self._check_forward()
             self._check_unscreened_backward()
             self._emit()
             self._agree()
         finally:
-            if ids is not None:
-                self._name_ids(ids)
+            bad_ids: Exception | None = None
+            if sample_ids is not None:
+                try:
+                    self._name_ids(sample_ids)
+                except (ValueError, TypeError) as err:  # raised once the step is closed
+                    bad_ids = err
             self._agreed = False
             self._held = []
             if self._watch is not None:
@@ -249,6 +257,8 @@ class Detector:
                 self._watch.new_step(self._step)
             if self._screen is not None:
                 self._screen.new_step()
+        if bad_ids is not None:
+            raise bad_ids
 
     def spike_baseline(self, name: str,
                        kind: Literal["param_grad", "grad_output"] = "param_grad"
@@ -276,27 +286,25 @@ class Detector:
                            f"{', '.join(f'{n}:param_grad' for n in have[:10]) or '(none: call step())'}")
         return found
 
-    def _sample_ids(self, sample_ids: object) -> tuple[int | str, ...] | None:
-        """``sample_ids`` checked against this step's batch (before the step closes)."""
-        if sample_ids is None:
-            return None
-        if not self.samples:
-            raise ValueError("det.step(sample_ids=...) names the samples of anomalies: pass "
-                             "samples=True to gt.detect")
+    def _name_ids(self, sample_ids: object) -> bool:
+        """This step's anomalies with the ids of their samples. The ids are read and checked
+        against the step's batch only when the step has such an anomaly: a healthy step
+        does not look at them (no copy of an id tensor to the host)."""
+        mine = [i for i, a in enumerate(self.anomalies)
+                if a.step == self._step and a.samples is not None]
+        if not mine:
+            return False
         n = None if self._screen is None else batch_of(self._screen, self.batch_dim)
-        return ids_of(sample_ids, n, self.batch_dim)
-
-    def _name_ids(self, ids: tuple[int | str, ...]) -> None:
-        """This step's anomalies with the ids of their samples."""
-        for i, a in enumerate(self.anomalies):
-            if a.step != self._step or a.samples is None:
-                continue
-            bad = [j for j in a.samples if j >= len(ids)]
+        ids = ids_of(sample_ids, n, self.batch_dim)
+        for i in mine:
+            a = self.anomalies[i]
+            bad = [j for j in a.samples or () if j >= len(ids)]
             if bad:
                 raise ValueError(f"sample_ids has {len(ids)} ids, but the anomaly at module "
                                  f"{a.module_name!r} names batch position {bad[0]}")
             self.anomalies[i] = dataclasses.replace(
-                a, sample_ids=tuple(ids[j] for j in a.samples))
+                a, sample_ids=tuple(ids[j] for j in a.samples or ()))
+        return True
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
