@@ -188,3 +188,24 @@ def test_fp16_grad_scaler_unscaled_norms_and_an_overflow_recorded_not_skipped(tm
         for name, norm in seen.items():
             got = df[(df.step == step) & (df.name == name)].value.item()
             assert got == pytest.approx(norm, rel=1e-5), (step, name)
+
+
+def test_detect_samples_names_the_batch_row_behind_an_anomaly(tmp_path):
+    model = tiny_gpt2()
+    calls = [0]
+
+    def poison(module, args, output):
+        calls[0] += 1
+        if calls[0] in (3, 4):  # step 1's first micro-batch and its replay: the second row
+            output = output.clone()
+            output[1] = float("nan")
+            return output
+
+    handle = model.transformer.h[0].mlp.register_forward_hook(poison)
+    cb = GradtapCallback(detect="samples")
+    train(tmp_path, cb, model, max_steps=3, max_grad_norm=0.0)
+    handle.remove()
+    assert cb.skipped == [1]
+    a = cb.anomalies[0]
+    assert a.module_name.startswith("transformer.h.0.mlp") and a.where == "forward"
+    assert a.samples == (1,) and a.sample_ids is None  # positions: no ids reach the model
