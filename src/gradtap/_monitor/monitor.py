@@ -32,6 +32,7 @@ from gradtap._monitor.options import (
     DEFAULT_STATS,
     KINDS,
     STAT_NAMES,
+    check_logging,
     check_options,
     watched_parameters,
 )
@@ -42,6 +43,9 @@ from gradtap._monitor.snapshots import Snapshots
 from gradtap._monitor.spikes import ZSCORE_BETA, ZScores
 from gradtap._monitor.split import Splits, check_split
 from gradtap._monitor.step import StepPipeline
+from gradtap._monitor.trackers.queue import TrackerQueue
+from gradtap._monitor.trackers.resolve import resolve
+from gradtap._monitor.trackers.summary import Summary, check_groups
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -133,6 +137,23 @@ class Monitor:
             mean or the sum of its samples' gradients (``"samples"``: per_sample's own).
         per_sample: a ``gt.per_sample(model, quantities=("norm",))`` handle on the same model
             (``gns_from="samples"``; the Monitor clears it at each step).
+        log_to: live trackers that also get each logged step (``docs/guide-trackers.md``): a
+            ``torch.utils.tensorboard.SummaryWriter``, a wandb run or the ``wandb`` module (its
+            active run), the ``mlflow`` module (its active run), a Lightning ``Logger``, a
+            callable ``f(metrics: dict[str, float], step: int)``, or a list of them. Keys are
+            slash paths (``grad/norm/fc.weight``, ``grad/global_norm``, ``loss``). The store
+            stays the complete record (``store=None`` is fine); only rank 0 logs, the values of
+            the global gradient. The trackers run on a thread behind a bounded queue: a
+            tracker that cannot keep up never stalls training (its steps are dropped, with one
+            warning); :meth:`close` waits for what is queued.
+        log_every: log the computed steps ``s`` with ``s % log_every == 0`` (a multiple of
+            ``every``; default ``every``). A step that is not logged costs the trackers nothing.
+        log_keys: ``"summary"`` (default): at most 64 keys per step whatever the model's size
+            (global and per-block gradient norms, the largest value of each stat and its
+            tensor, spike and clip counts, the loss); ``"all"``: every row of the step too.
+        log_groups: ``{parameter glob: label}``: the summary's group norms over these groups
+            (a parameter in the first group whose glob matches it) instead of the model's
+            top-level blocks; at most 16 labels.
 
     Raises:
         SelectionError: ``select`` matches nothing.
@@ -178,6 +199,10 @@ class Monitor:
         gns_beta: float = 0.95,
         loss_reduction: LossReduction | None = None,
         per_sample: SampleNorms | None = None,
+        log_to: Any = None,
+        log_every: int | None = None,
+        log_keys: str = "summary",
+        log_groups: dict[str, str] | None = None,
     ) -> None:
         sess = session(model, "Monitor")
         check_scaler(scaler, "Monitor")
@@ -187,6 +212,8 @@ class Monitor:
         self.stats, self.kinds, edges = check_options(
             stats, kinds, ewma=ewma, every=every, local_grads=local_grads, hist_bins=hist_bins,
             hist_scale=hist_scale, hist_range=hist_range, hist_linthresh=hist_linthresh)
+        self.log_every = check_logging(log_to, log_every, log_keys, log_groups, every)
+        trackers = [] if log_to is None else resolve(log_to)
         self.ewma_beta = None if ewma is None else float(ewma)
         self.every = every
         self.local_grads = local_grads
@@ -259,13 +286,19 @@ class Monitor:
                                                       overwrite=overwrite)
             else:
                 self._sink = MemoryRun(run_info)
+            sinks: list[Any] = [HistorySink(self._sink)]
+            names = [n for n, _ in self._params]
+            groups = None if log_groups is None else check_groups(log_groups, names)
+            if trackers and self.rank == 0:  # the values of the global gradient, once
+                sinks.append(TrackerQueue(trackers, log_every=self.log_every, summary=Summary(
+                    names, groups, everything=log_keys == "all")))
             self._pipeline = StepPipeline(
                 kinds=self.kinds, stats=self.stats, params=self._params, model=model,
                 sharded=self._sharded, local_grads=local_grads, reducer=self._reducer,
                 moments=self._moments, layouts=self._layouts, splits=self._splits,
                 snapshots=self._snapshots, ewma=self._ewma, health=self._health,
                 zscores=self._zscores, amp=self._amp, session=sess, rank=self.rank,
-                world_size=self.world_size, sinks=[HistorySink(self._sink)])
+                world_size=self.world_size, sinks=sinks)
         except BaseException:
             self._remove_hooks()
             raise

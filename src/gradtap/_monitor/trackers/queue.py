@@ -1,0 +1,150 @@
+"""The trackers as one sink of the Monitor's steps, behind a bounded queue and a thread.
+
+:class:`TrackerQueue` is a :class:`~gradtap._monitor.sinks.StepSink` beside the run's history.
+On the training thread, :meth:`~TrackerQueue.write` only hands the step's rows (already on the
+host: no device work, no sync) to a queue when the step is logged; a daemon thread computes the
+step's metrics once (:class:`~gradtap._monitor.trackers.summary.Summary`) and calls each
+tracker. A tracker that cannot keep up never stalls training: a logged step that finds the
+queue full is dropped, and the first drop is warned about (the run store keeps every step).
+:meth:`~TrackerQueue.close` drains the queue, then flushes each tracker.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import warnings
+from collections.abc import Sequence
+
+from gradtap._monitor.rows import StepRows
+from gradtap._monitor.trackers.base import Tracker
+from gradtap._monitor.trackers.summary import Metrics, Summary
+
+__all__ = ["QUEUE_SIZE", "TrackerQueue"]
+
+#: Logged steps waiting for the trackers, at most.
+QUEUE_SIZE = 8
+#: Seconds ``close()`` waits for the trackers to take what is queued.
+DRAIN_TIMEOUT = 120.0
+_END = object()
+
+
+class TrackerQueue:
+    """Log every ``log_every``-th computed step to ``trackers`` (see the module text).
+
+    Args:
+        trackers: the adapters (:mod:`~gradtap._monitor.trackers.resolve`).
+        log_every: log the steps ``s`` with ``s % log_every == 0``.
+        summary: what each logged step becomes.
+        size: the queue's bound, in logged steps.
+    """
+
+    def __init__(self, trackers: Sequence[Tracker], *, log_every: int, summary: Summary,
+                 size: int = QUEUE_SIZE) -> None:
+        self.trackers = list(trackers)
+        self.log_every = log_every
+        self.summary = summary
+        self.dropped: list[int] = []
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=size)
+        self._history: collections.deque[StepRows] = collections.deque(maxlen=256)
+        self._outbox: collections.deque[tuple[Tracker, int, Metrics, float]] = collections.deque()
+        self._failed: dict[int, str] = {}  # id(tracker) -> why it gets no more steps
+        self._messages: list[str] = []  # for the training thread to warn about, once each
+        self._warned: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- the training thread ---------------------------------------------------------------
+
+    def write(self, step: int, rows: StepRows) -> None:
+        self._history.append(rows)  # the spike detector's history: every computed step
+        if step % self.log_every == 0:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="gradtap-trackers",
+                                                daemon=True)
+                self._thread.start()
+            try:
+                self._queue.put_nowait(rows)
+            except queue.Full:
+                self._drop(step)
+        self._deliver()
+        self._warn()
+
+    def close(self, status: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            try:
+                self._queue.put(_END, timeout=DRAIN_TIMEOUT)
+            except queue.Full:
+                pass
+            self._thread.join(DRAIN_TIMEOUT)
+            if self._thread.is_alive():
+                self._note(f"the trackers did not take the queued steps within "
+                           f"{DRAIN_TIMEOUT:.0f} s; the steps still queued are not logged")
+        self._deliver()
+        error: BaseException | None = None
+        for tracker in self.trackers:
+            try:
+                tracker.close(status)
+            except BaseException as err:  # noqa: BLE001  (re-raised below)
+                error = error or err
+        self._warn()
+        if error is not None:
+            raise error
+
+    def _drop(self, step: int) -> None:
+        self.dropped.append(step)
+        if len(self.dropped) == 1:
+            names = ", ".join(t.name for t in self.trackers)
+            warnings.warn(
+                f"gradtap could not log step {step} to {names}: the trackers cannot keep up "
+                f"({self._queue.maxsize} logged steps already wait); a logged step that "
+                "finds the queue full is dropped (this warning is not repeated). The run store "
+                "keeps every step; a larger log_every logs less often", UserWarning, stacklevel=4)
+
+    def _deliver(self) -> None:
+        """Trackers that are not thread-safe get their steps here, on the training thread."""
+        while self._outbox:
+            tracker, step, metrics, wall = self._outbox.popleft()
+            self._call(tracker, step, metrics, wall)
+
+    def _warn(self) -> None:
+        for message in [*self.summary.notes, *self._messages, *self._failed.values()]:
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _note(self, message: str) -> None:
+        self._messages.append(message)
+
+    # -- the logging thread ----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            assert isinstance(item, StepRows)
+            while self._history and self._history[0].step <= item.step:
+                self.summary.observe(self._history.popleft())
+            metrics = self.summary.metrics(item)
+            for tracker in self.trackers:
+                if id(tracker) in self._failed:
+                    continue
+                if tracker.thread_safe:
+                    self._call(tracker, item.step, metrics, item.wall_time)
+                else:
+                    self._outbox.append((tracker, item.step, metrics, item.wall_time))
+
+    def _call(self, tracker: Tracker, step: int, metrics: Metrics, wall: float) -> None:
+        if id(tracker) in self._failed:
+            return
+        try:
+            tracker.log(step, metrics.numbers, metrics.texts, wall)
+        except Exception as err:  # a tracker's failure must not end training
+            self._failed[id(tracker)] = (
+                f"gradtap stopped logging to {tracker.name}: it raised at step {step}: "
+                f"{type(err).__name__}: {err}")
