@@ -23,8 +23,9 @@ from gradtap._monitor.trackers.summary import Metrics, Summary
 
 __all__ = ["QUEUE_SIZE", "TrackerQueue"]
 
-#: Logged steps waiting for the trackers, at most.
-QUEUE_SIZE = 8
+#: Logged steps waiting for the trackers, at most (a fast training loop runs ahead of the
+#: logging thread by a few steps between two of Python's thread switches).
+QUEUE_SIZE = 64
 #: Seconds ``close()`` waits for the trackers to take what is queued.
 DRAIN_TIMEOUT = 120.0
 _END = object()
@@ -37,16 +38,16 @@ class TrackerQueue:
         trackers: the adapters (:mod:`~gradtap._monitor.trackers.resolve`).
         log_every: log the steps ``s`` with ``s % log_every == 0``.
         summary: what each logged step becomes.
-        size: the queue's bound, in logged steps.
+        size: the queue's bound, in logged steps (default :data:`QUEUE_SIZE`).
     """
 
     def __init__(self, trackers: Sequence[Tracker], *, log_every: int, summary: Summary,
-                 size: int = QUEUE_SIZE) -> None:
+                 size: int | None = None) -> None:
         self.trackers = list(trackers)
         self.log_every = log_every
         self.summary = summary
         self.dropped: list[int] = []
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=size)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=size or QUEUE_SIZE)
         self._history: collections.deque[StepRows] = collections.deque(maxlen=256)
         self._outbox: collections.deque[tuple[Tracker, int, Metrics, float]] = collections.deque()
         self._failed: dict[int, str] = {}  # id(tracker) -> why it gets no more steps
