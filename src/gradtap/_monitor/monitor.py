@@ -289,9 +289,12 @@ class Monitor:
             sinks: list[Any] = [HistorySink(self._sink)]
             names = [n for n, _ in self._params]
             groups = None if log_groups is None else check_groups(log_groups, names)
+            #: the trackers' sink (rank 0 with log_to=), for the callbacks' own cadence
+            self._trackers: TrackerQueue | None = None
             if trackers and self.rank == 0:  # the values of the global gradient, once
-                sinks.append(TrackerQueue(trackers, log_every=self.log_every, summary=Summary(
-                    names, groups, everything=log_keys == "all")))
+                self._trackers = TrackerQueue(trackers, log_every=self.log_every, summary=Summary(
+                    names, groups, everything=log_keys == "all"))
+                sinks.append(self._trackers)
             self._pipeline = StepPipeline(
                 kinds=self.kinds, stats=self.stats, params=self._params, model=model,
                 sharded=self._sharded, local_grads=local_grads, reducer=self._reducer,

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector
-from gradtap.integrations._callback import CallbackCore, CallbackViews
+from gradtap.integrations._callback import TRAINER, CallbackCore, CallbackViews
 
 __all__ = ["GradtapCallback"]
 
@@ -62,6 +62,13 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
             finds a store there writes to ``gradtap-<step>`` beside it).
         select, stats, kinds, every, ewma, hist_bins: as for :class:`gradtap.Monitor`.
         detect: skip the optimizer step on a NaN/Inf gradient (see above).
+        log_to: where each logged step's values also go: ``"trainer"`` (default) the trainer's
+            loggers (``trainer.loggers``: ``logger.log_metrics(metrics, step)`` at the
+            trainer's global step, rank 0 only), ``None`` nowhere, or what
+            :class:`gradtap.Monitor`'s ``log_to=`` takes.
+        log_every: log every ``log_every`` optimizer steps (default: the trainer's
+            ``log_every_n_steps``, rounded up to a multiple of ``every``).
+        log_keys, log_groups: as for :class:`gradtap.Monitor`.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -74,16 +81,21 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
                  stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
-                 detect: bool = False) -> None:
-        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
+                 detect: bool = False, log_to: Any = TRAINER, log_every: int | None = None,
+                 log_keys: str = "summary", log_groups: dict[str, str] | None = None) -> None:
+        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect,
+                                  log_to, log_every, log_keys, log_groups)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir
         # Under precision="16-mixed" the plugin's GradScaler: unscaled statistics.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        every = self._core.every
+        log_every = self._core.log_every or -(-max(trainer.log_every_n_steps, 1) // every) * every
         self._core.start(pl_module, Path(log_dir) / "gradtap",
                          meta={"framework": "lightning"},
-                         scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)
+                         scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+                         trackers=self._core.trackers(trainer.loggers), log_every=log_every)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
                            loss: torch.Tensor) -> None:

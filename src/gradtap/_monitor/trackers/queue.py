@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -36,18 +37,20 @@ class TrackerQueue:
 
     Args:
         trackers: the adapters (:mod:`~gradtap._monitor.trackers.resolve`).
-        log_every: log the steps ``s`` with ``s % log_every == 0``.
+        log_every: log the steps ``s`` with ``s % log_every == 0``; ``None``: only what
+            :meth:`log_last` asks for (a trainer that decides when it logs).
         summary: what each logged step becomes.
         size: the queue's bound, in logged steps (default :data:`QUEUE_SIZE`).
     """
 
-    def __init__(self, trackers: Sequence[Tracker], *, log_every: int, summary: Summary,
+    def __init__(self, trackers: Sequence[Tracker], *, log_every: int | None, summary: Summary,
                  size: int | None = None) -> None:
         self.trackers = list(trackers)
         self.log_every = log_every
         self.summary = summary
         self.dropped: list[int] = []
         self._queue: queue.Queue[object] = queue.Queue(maxsize=size or QUEUE_SIZE)
+        self._last: StepRows | None = None
         self._history: collections.deque[StepRows] = collections.deque(maxlen=256)
         self._outbox: collections.deque[tuple[Tracker, int, Metrics, float]] = collections.deque()
         self._failed: dict[int, str] = {}  # id(tracker) -> why it gets no more steps
@@ -60,17 +63,39 @@ class TrackerQueue:
 
     def write(self, step: int, rows: StepRows) -> None:
         self._history.append(rows)  # the spike detector's history: every computed step
-        if step % self.log_every == 0:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="gradtap-trackers",
-                                                daemon=True)
-                self._thread.start()
-            try:
-                self._queue.put_nowait(rows)
-            except queue.Full:
-                self._drop(step)
+        self._last = rows
+        if self.log_every is not None and step % self.log_every == 0:
+            self._put(step, rows)
         self._deliver()
         self._warn()
+
+    def log_last(self, step: int) -> None:
+        """Log the last computed step now, at the tracker step ``step`` (a trainer's global
+        step); nothing when no step was computed yet."""
+        if self._last is not None and not self._closed:
+            self._put(step, self._last)
+            self._last = None
+
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
+        """Wait until the trackers have taken every queued step (before a trainer closes the
+        writers they log to)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            if self._thread is None or not self._thread.is_alive():
+                break
+            time.sleep(0.005)
+        self._deliver()
+        self._warn()
+
+    def _put(self, step: int, rows: StepRows) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="gradtap-trackers",
+                                            daemon=True)
+            self._thread.start()
+        try:
+            self._queue.put_nowait((step, rows))
+        except queue.Full:
+            self._drop(step)
 
     def close(self, status: str) -> None:
         if self._closed:
@@ -128,17 +153,22 @@ class TrackerQueue:
             item = self._queue.get()
             if item is _END:
                 return
-            assert isinstance(item, StepRows)
-            while self._history and self._history[0].step <= item.step:
-                self.summary.observe(self._history.popleft())
-            metrics = self.summary.metrics(item)
-            for tracker in self.trackers:
-                if id(tracker) in self._failed:
-                    continue
-                if tracker.thread_safe:
-                    self._call(tracker, item.step, metrics, item.wall_time)
-                else:
-                    self._outbox.append((tracker, item.step, metrics, item.wall_time))
+            try:
+                self._log(*item)  # type: ignore[misc]  # (step, rows)
+            finally:
+                self._queue.task_done()
+
+    def _log(self, step: int, rows: StepRows) -> None:
+        while self._history and self._history[0].step <= rows.step:
+            self.summary.observe(self._history.popleft())
+        metrics = self.summary.metrics(rows)
+        for tracker in self.trackers:
+            if id(tracker) in self._failed:
+                continue
+            if tracker.thread_safe:
+                self._call(tracker, step, metrics, rows.wall_time)
+            else:
+                self._outbox.append((tracker, step, metrics, rows.wall_time))
 
     def _call(self, tracker: Tracker, step: int, metrics: Metrics, wall: float) -> None:
         if id(tracker) in self._failed:

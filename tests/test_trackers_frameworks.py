@@ -1,0 +1,108 @@
+"""The callbacks log into the trainers' own trackers: Lightning's TensorBoardLogger and
+CSVLogger files, and the Hugging Face Trainer's report_to TensorBoard event files, hold gradtap's
+keys at the trainers' global steps and logging cadence (read back with tensorboard's reader and
+the CSV module), equal to the run store's values."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradtap as gt
+from tests._trackers import tensorboard_scalars
+
+
+def global_norms(run) -> dict[int, float]:
+    """The global gradient norm of each stored step, from the stored per-tensor norms."""
+    params = [n for n in run.names if not n.startswith("<")]
+    per = [dict(zip(*(a.tolist() for a in run.series(n, "norm")))) for n in params]
+    return {s: math.sqrt(sum(p[s] ** 2 for p in per)) for s in run.steps}
+
+
+# Lightning's own warnings about this tiny setup (few batches, no dataloader workers).
+@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+def test_lightning_logs_through_its_tensorboard_and_csv_loggers(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradtap.integrations.lightning import GradtapCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.global_steps: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self.net(x) - y).pow(2).mean()
+
+        def on_before_optimizer_step(self, optimizer):
+            self.global_steps.append(self.trainer.global_step)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                                       batch_size=2)
+    model = Tiny()
+    loggers = [pl.loggers.TensorBoardLogger(tmp_path, name="tb"),
+               pl.loggers.CSVLogger(tmp_path, name="csv")]
+    trainer = pl.Trainer(max_steps=6, log_every_n_steps=2, callbacks=[GradtapCallback(
+        store=tmp_path / "run")], logger=loggers, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1)
+    trainer.fit(model, data)
+    run = gt.open_run(tmp_path / "run")
+    norms = global_norms(run)
+    logged = [s for s in model.global_steps if s % 2 == 0]  # the trainer's cadence: every 2
+    assert model.global_steps == run.steps == list(range(6)) and logged == [0, 2, 4]
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    assert sorted(scalars["grad/global_norm"]) == logged
+    for s in logged:
+        assert scalars["grad/global_norm"][s] == pytest.approx(norms[s], rel=1e-6)
+        assert scalars["grad/max_norm"][s] == pytest.approx(
+            max(run.series(n, "norm")[1][s] for n, _ in model.named_parameters()), rel=1e-6)
+    (path,) = (tmp_path / "csv").rglob("metrics.csv")
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("grad/global_norm")]
+    assert [int(r["step"]) for r in rows] == logged
+    for r in rows:
+        assert float(r["grad/global_norm"]) == pytest.approx(norms[int(r["step"])], rel=1e-12)
+        assert float(r["loss"]) == pytest.approx(
+            run.series("<loss>", "value")[1][int(r["step"])], rel=1e-12)
+
+
+def test_hf_trainer_logs_into_its_report_to_tensorboard_at_its_global_steps(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from gradtap.integrations.transformers import GradtapCallback
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    g = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": x, "labels": x} for x in torch.randint(0, 32, (8, 6), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2,
+        report_to=["tensorboard"], logging_steps=2, use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, seed=0, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                   callbacks=[GradtapCallback(store=tmp_path / "run")])
+    trainer.train()
+    scalars = tensorboard_scalars(tmp_path / "runs")  # the TensorBoardCallback's own folder
+    hf_steps = sorted(scalars["train/loss"])  # the Trainer's logging cadence and global step
+    assert hf_steps == [2, 4, 6]
+    assert sorted(scalars["grad/global_norm"]) == hf_steps
+    run = gt.open_run(tmp_path / "run")
+    norms = global_norms(run)
+    # global step s logs the gradients of its optimizer step: Monitor step s - 1
+    for s in hf_steps:
+        assert scalars["grad/global_norm"][s] == pytest.approx(norms[s - 1], rel=1e-6)
+        assert scalars["loss"][s] == pytest.approx(
+            run.series("<loss>", "value")[1][s - 1], rel=1e-6)
