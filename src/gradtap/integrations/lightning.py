@@ -91,7 +91,8 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
         # Under precision="16-mixed" the plugin's GradScaler: unscaled statistics.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         every = self._core.every
-        log_every = self._core.log_every or -(-max(trainer.log_every_n_steps, 1) // every) * every
+        n_steps = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)
+        log_every = self._core.log_every or -(-n_steps // every) * every
         self._core.start(pl_module, Path(log_dir) / "gradtap",
                          meta={"framework": "lightning"},
                          scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,

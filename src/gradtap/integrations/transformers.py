@@ -211,7 +211,7 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
 def _integration_callbacks(me: TrainerCallback) -> list[Any]:
     """The other callbacks of the Trainer that holds ``me``: its ``CallbackHandler`` is the
     caller of this event (found once, at train begin, from the calling frames)."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         handler = frame.f_locals.get("self")
         if isinstance(handler, CallbackHandler) and me in handler.callbacks:
