@@ -106,3 +106,43 @@ def test_hf_trainer_logs_into_its_report_to_tensorboard_at_its_global_steps(tmp_
         assert scalars["grad/global_norm"][s] == pytest.approx(norms[s - 1], rel=1e-6)
         assert scalars["loss"][s] == pytest.approx(
             run.series("<loss>", "value")[1][s - 1], rel=1e-6)
+
+
+SCRIPT = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(4):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+def test_watch_log_to_tensorboard_writes_the_summary_of_each_step(tmp_path, monkeypatch, capfd):
+    import sys
+    from pathlib import Path
+
+    from gradtap.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    monkeypatch.setenv("PYTHONPATH", str(Path(gt.__file__).resolve().parent.parent))
+    monkeypatch.chdir(tmp_path)
+    assert main(["watch", "--out", "run", "--log-to", "tensorboard:tb", "--",
+                 sys.executable, str(script)]) == 0
+    assert "gradtap watch:" not in capfd.readouterr().err
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    norms = global_norms(gt.open_run(tmp_path / "run"))
+    assert scalars["grad/global_norm"] == pytest.approx(norms, rel=1e-6)
+    assert sorted(norms) == [0, 1, 2, 3]
+
+
+def test_watch_rejects_an_unknown_tracker(capsys):
+    from gradtap.cli import main
+
+    assert main(["watch", "--log-to", "neptune", "--", "python", "x.py"]) == 2
+    assert "--log-to 'neptune': expected tensorboard:DIR, wandb or mlflow" in capsys.readouterr().err

@@ -6,21 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BATCH", "MlflowTracker"]
+__all__ = ["BATCH", "MlflowTracker", "active_run_id", "new_run"]
 
 #: Metrics per ``log_batch`` call, at most (MLflow's own limit).
 BATCH = 1000
 
 
 class MlflowTracker:
-    """Log to the MLflow run ``run_id`` of the tracking server at ``tracking_uri``."""
+    """Log to the MLflow run ``run_id`` of the tracking server at ``tracking_uri``; ``owned``:
+    gradtap created it, so :meth:`close` ends it."""
 
     thread_safe = True
 
-    def __init__(self, run_id: str, tracking_uri: str) -> None:
+    def __init__(self, run_id: str, tracking_uri: str, *, owned: bool = False) -> None:
         from mlflow.tracking import MlflowClient
 
         self.run_id = run_id
+        self.owned = owned
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.name = f"MLflow run {run_id}"
 
@@ -34,7 +36,21 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics[at:at + BATCH])
 
     def close(self, status: str) -> None:
-        """The run is the script's: it ends it."""
+        if self.owned:  # else the run is the script's: it ends it
+            self.client.set_terminated(self.run_id,
+                                       "FINISHED" if status == "finished" else "FAILED")
+
+
+def new_run(module: Any, experiment: str) -> MlflowTracker:
+    """A run of its own in ``experiment`` (created if missing), made with the client, so the
+    script's ``mlflow.start_run()`` is not affected."""
+    from mlflow.tracking import MlflowClient
+
+    uri = module.get_tracking_uri()
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    exp_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+    return MlflowTracker(client.create_run(exp_id).info.run_id, uri, owned=True)
 
 
 def active_run_id(module: Any) -> str:

@@ -6,6 +6,7 @@ package means the package is imported already); nothing is imported to find out.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any
 from gradtap._monitor.trackers.base import Tracker
 from gradtap._monitor.trackers.function import FunctionTracker
 from gradtap._monitor.trackers.lightning_logger import LightningTracker
-from gradtap._monitor.trackers.mlflow_run import MlflowTracker, active_run_id
+from gradtap._monitor.trackers.mlflow_run import MlflowTracker, active_run_id, new_run
 from gradtap._monitor.trackers.tensorboard import TensorBoardTracker
 from gradtap._monitor.trackers.wandb_run import WandbTracker
 from gradtap.errors import missing_extra
@@ -39,7 +40,12 @@ def resolve(log_to: Any) -> list[Tracker]:
     return [_one(obj) for obj in items]
 
 
+_ADAPTERS = (TensorBoardTracker, WandbTracker, MlflowTracker, LightningTracker, FunctionTracker)
+
+
 def _one(obj: Any) -> Tracker:
+    if isinstance(obj, _ADAPTERS):  # made already (``--log-to``)
+        return obj
     if isinstance(obj, types.ModuleType):
         if obj.__name__ == "wandb":
             if obj.run is None:
@@ -74,30 +80,54 @@ def _is_lightning_logger(obj: Any) -> bool:
     return False
 
 
-def from_spec(spec: str) -> Callable[[], Tracker]:
-    """A ``--log-to`` value (``tensorboard:DIR``, ``wandb``, ``mlflow``) as a function making
-    its tracker (called where the Monitor is made).
+def from_spec(spec: str, index: int = 0) -> Callable[[], Tracker]:
+    """A ``--log-to`` value as a function making its tracker (called where the Monitor of the
+    script's ``index``-th optimizer is made):
+
+    * ``tensorboard:DIR``: a ``SummaryWriter`` in ``DIR`` (``DIR/optimizer-<index>`` for the
+      second optimizer on), closed at the end;
+    * ``wandb``: the script's active wandb run, else a run of gradtap's own
+      (``wandb.init()``, project ``$WANDB_PROJECT``), finished at the end;
+    * ``mlflow``: the script's active MLflow run, else a run of gradtap's own in the
+      experiment ``$MLFLOW_EXPERIMENT_NAME`` (default ``gradtap-watch``), ended at the end.
 
     Raises:
         ValueError: an unknown spec (checked at once).
     """
     kind, sep, where = spec.partition(":")
     if kind == "tensorboard" and sep and where:
+        folder = where if index == 0 else os.path.join(where, f"optimizer-{index}")
+
         def tensorboard() -> Tracker:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
                 raise missing_extra("--log-to tensorboard", "tensorboard", "tensorboard") from err
-            return TensorBoardTracker(SummaryWriter(log_dir=where), owned=True)
+            return TensorBoardTracker(SummaryWriter(log_dir=folder), owned=True)
 
         return tensorboard
-    if kind in ("wandb", "mlflow") and not sep:
-        def module() -> Tracker:
-            try:
-                imported = __import__(kind)
-            except ImportError as err:
-                raise missing_extra(f"--log-to {kind}", kind, kind) from err
-            return _one(imported)
+    if kind == "wandb" and not sep:
+        def wandb() -> Tracker:
+            module = _import("wandb")
+            if module.run is not None:
+                return WandbTracker(module.run)
+            return WandbTracker(module.init(), owned=True)
 
-        return module
+        return wandb
+    if kind == "mlflow" and not sep:
+        def mlflow() -> Tracker:
+            module = _import("mlflow")
+            run = module.active_run()
+            if run is not None:
+                return MlflowTracker(str(run.info.run_id), module.get_tracking_uri())
+            return new_run(module, os.environ.get("MLFLOW_EXPERIMENT_NAME", "gradtap-watch"))
+
+        return mlflow
     raise ValueError(f"--log-to {spec!r}: expected tensorboard:DIR, wandb or mlflow")
+
+
+def _import(name: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError as err:
+        raise missing_extra(f"--log-to {name}", name, name) from err

@@ -18,12 +18,13 @@ _PREFIXES = ("grad", "grad_output", "update", "param", "grad_cosine", "health")
 
 
 class WandbTracker:
-    """Log to a wandb ``Run``."""
+    """Log to a wandb ``Run``; ``owned``: gradtap started it, so :meth:`close` finishes it."""
 
     thread_safe = True  # wandb's run.log takes its own lock
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, *, owned: bool = False) -> None:
         self.run = run
+        self.owned = owned
         self.name = f"wandb run {getattr(run, 'id', '?')}"
         self._defined = False
 
@@ -38,4 +39,5 @@ class WandbTracker:
         self.run.log({**numbers, **texts, STEP_KEY: step})
 
     def close(self, status: str) -> None:
-        """The run is the script's: it finishes it."""
+        if self.owned:  # else the run is the script's: it finishes it
+            self.run.finish(exit_code=0 if status == "finished" else 1)
