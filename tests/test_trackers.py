@@ -299,3 +299,26 @@ def test_bad_logging_options_fail_at_construction_naming_what_was_expected():
     assert mlflow.active_run() is None
     with pytest.raises(ValueError, match=r"MLflow has no active run; call mlflow.start_run"):
         gt.Monitor(net, log_to=mlflow)
+
+
+@pytest.mark.skipif(not __import__("tests._dist", fromlist=["x"]).gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_under_ddp_and_fsdp2_only_rank_zero_logs_the_global_values():
+    from tests import _dist_monitor as W
+    from tests._dist import run_ranks
+    from tests._dist_trackers import logged
+
+    results = run_ranks(logged, 2, kwargs={"modes": ["ddp", "fsdp"]}, timeout=240)
+    ref = W.reference()  # one process on the concatenated batch: the global gradients
+    for mode in ("ddp", "fsdp"):
+        assert results[1][mode] == []  # rank 1 logs nothing
+        steps = results[0][mode]
+        assert [s for s, _ in steps] == list(range(W.STEPS))
+        for s, metrics in steps:
+            grads = ref["grad"][s]
+            for name, g in grads.items():
+                assert metrics[f"grad/norm/{name}"] == pytest.approx(g.norm().item(), rel=1e-9)
+                assert metrics[f"grad/absmax/{name}"] == pytest.approx(
+                    g.abs().max().item(), rel=1e-9)
+            total = torch.cat([g.reshape(-1) for g in grads.values()]).norm().item()
+            assert metrics["grad/global_norm"] == pytest.approx(total, rel=1e-9)
