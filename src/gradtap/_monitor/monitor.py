@@ -143,7 +143,8 @@ class Monitor:
             callable ``f(metrics: dict[str, float], step: int)``, or a list of them. Keys are
             slash paths (``grad/norm/fc.weight``, ``grad/global_norm``, ``loss``). The store
             stays the complete record (``store=None`` is fine); only rank 0 logs, the values of
-            the global gradient. The trackers run on a thread behind a bounded queue: a
+            the global gradient (the other ranks ignore ``log_to``: ``wandb.init()`` on rank 0
+            alone is fine). The trackers run on a thread behind a bounded queue: a
             tracker that cannot keep up never stalls training (its steps are dropped, with one
             warning); :meth:`close` waits for what is queued.
         log_every: log the computed steps ``s`` with ``s % log_every == 0`` (a multiple of
@@ -213,11 +214,12 @@ class Monitor:
             stats, kinds, ewma=ewma, every=every, local_grads=local_grads, hist_bins=hist_bins,
             hist_scale=hist_scale, hist_range=hist_range, hist_linthresh=hist_linthresh)
         self.log_every = check_logging(log_to, log_every, log_keys, log_groups, every)
-        trackers = [] if log_to is None else resolve(log_to)
         self.ewma_beta = None if ewma is None else float(ewma)
         self.every = every
         self.local_grads = local_grads
         self.rank, self.world_size = distributed.world()
+        # Only rank 0 logs: the other ranks need no tracker (wandb.init() only on rank 0).
+        trackers = [] if log_to is None or self.rank != 0 else resolve(log_to)
         moment_stats = tuple(st for st in self.stats if st in STAT_NAMES)
         if "zscore" in self.stats and "norm" not in moment_stats:  # zscore is the norm's
             moment_stats += ("norm",)

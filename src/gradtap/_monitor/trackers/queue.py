@@ -129,7 +129,7 @@ class TrackerQueue:
                 f"gradtap could not log step {step} to {names}: the trackers cannot keep up "
                 f"({self._queue.maxsize} logged steps already wait); a logged step that "
                 "finds the queue full is dropped (this warning is not repeated). The run store "
-                "keeps every step; a larger log_every logs less often", UserWarning, stacklevel=4)
+                "keeps every step; a larger log_every logs less often", UserWarning, stacklevel=6)
 
     def _deliver(self) -> None:
         """Trackers that are not thread-safe get their steps here, on the training thread."""
@@ -141,7 +141,7 @@ class TrackerQueue:
         for message in [*self.summary.notes, *self._messages, *self._failed.values()]:
             if message not in self._warned:
                 self._warned.add(message)
-                warnings.warn(message, UserWarning, stacklevel=4)
+                warnings.warn(message, UserWarning, stacklevel=5)
 
     def _note(self, message: str) -> None:
         self._messages.append(message)
