@@ -322,3 +322,37 @@ def test_under_ddp_and_fsdp2_only_rank_zero_logs_the_global_values():
                     g.abs().max().item(), rel=1e-9)
             total = torch.cat([g.reshape(-1) for g in grads.values()]).norm().item()
             assert metrics["grad/global_norm"] == pytest.approx(total, rel=1e-9)
+
+
+def test_a_tracker_that_raises_is_named_once_and_training_goes_on():
+    net = mlp()
+    calls = []
+
+    def broken(metrics, step):
+        calls.append(step)
+        raise RuntimeError("disk full")
+
+    with pytest.warns(UserWarning, match=r"stopped logging to .*broken: it raised at step 0: "
+                                         r"RuntimeError: disk full") as caught:
+        with gt.Monitor(net, log_to=broken, store=None) as mon:
+            train(mon, net, 5)
+    assert calls == [0] and len(caught) == 1 and mon.frame().step.nunique() == 5
+
+
+def test_keys_of_module_outputs_and_slices_are_valid_mlflow_names():
+    from mlflow.utils.validation import _validate_metric_name
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    got = []
+    with gt.Monitor(net, kinds=("param_grad", "grad_output"), stats=("norm", "gain"),
+                    split={"0.weight": 0}, log_keys="all",
+                    log_to=lambda m, s: got.append(m)) as mon:
+        train(mon, net, 1)
+    (m,) = got
+    assert "grad_output/norm/0" in m and "health/gain/2" in m and "grad/norm/0.weight.5" in m
+    for key in m:
+        _validate_metric_name(key)  # MLflow's own check of a metric name
+    frame = mon.frame()
+    value = frame[(frame.name == "0.weight[5]") & (frame.stat == "norm")].value.item()
+    assert m["grad/norm/0.weight.5"] == value
