@@ -356,3 +356,21 @@ def test_keys_of_module_outputs_and_slices_are_valid_mlflow_names():
     frame = mon.frame()
     value = frame[(frame.name == "0.weight[5]") & (frame.stat == "norm")].value.item()
     assert m["grad/norm/0.weight.5"] == value
+
+
+def test_spikes_between_logged_steps_are_counted_at_the_next_one(tmp_path):
+    net = mlp()
+    got = {}
+    with gt.Monitor(net, stats=("norm",), store=tmp_path / "run", log_every=10,
+                    log_to=lambda m, s: got.update({s: m})) as mon:
+        g = torch.Generator().manual_seed(0)
+        for s in range(41):
+            net(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+            if s == 33:  # a step that is not logged
+                net[2].weight.grad *= 10.0
+            mon.step()
+            net.zero_grad()
+    spikes = gt.open_run(tmp_path / "run").spikes()
+    assert sorted(got) == [0, 10, 20, 30, 40] and 33 in {sp.step for sp in spikes}
+    assert got[40]["grad/spikes"] == sum(1 for sp in spikes if 30 < sp.step <= 40) >= 1
+    assert got[30]["grad/spikes"] == sum(1 for sp in spikes if 20 < sp.step <= 30)

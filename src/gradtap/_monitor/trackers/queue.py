@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from gradtap._monitor.rows import StepRows
 from gradtap._monitor.trackers.base import Tracker
@@ -29,6 +30,9 @@ __all__ = ["QUEUE_SIZE", "TrackerQueue"]
 QUEUE_SIZE = 64
 #: Seconds ``close()`` waits for the trackers to take what is queued.
 DRAIN_TIMEOUT = 120.0
+#: Computed steps whose spike and clip counts wait for the next logged step, at most (with a
+#: larger ``log_every``, the older steps of an interval are not counted).
+HISTORY = 4096
 _END = object()
 
 
@@ -51,7 +55,9 @@ class TrackerQueue:
         self.dropped: list[int] = []
         self._queue: queue.Queue[object] = queue.Queue(maxsize=size or QUEUE_SIZE)
         self._last: StepRows | None = None
-        self._history: collections.deque[StepRows] = collections.deque(maxlen=256)
+        # what the spike and clip counts need of each computed step, not yet counted
+        self._history: collections.deque[tuple[int, Any, int]] = collections.deque(
+            maxlen=HISTORY)
         self._outbox: collections.deque[tuple[Tracker, int, Metrics, float]] = collections.deque()
         self._failed: dict[int, str] = {}  # id(tracker) -> why it gets no more steps
         self._messages: list[str] = []  # for the training thread to warn about, once each
@@ -62,7 +68,7 @@ class TrackerQueue:
     # -- the training thread ---------------------------------------------------------------
 
     def write(self, step: int, rows: StepRows) -> None:
-        self._history.append(rows)  # the spike detector's history: every computed step
+        self._history.append(self.summary.extract(rows))  # every computed step counts
         self._last = rows
         if self.log_every is not None and step % self.log_every == 0:
             self._put(step, rows)
@@ -159,10 +165,14 @@ class TrackerQueue:
                 self._queue.task_done()
 
     def _log(self, step: int, rows: StepRows) -> None:
-        while self._history and self._history[0].step <= rows.step:
+        # time.sleep(0) hands the GIL back between pieces of work, so the training thread waits
+        # for one piece at most, not Python's switch interval (5 ms)
+        while self._history and self._history[0][0] <= rows.step:
             self.summary.observe(self._history.popleft())
+            time.sleep(0)
         metrics = self.summary.metrics(rows)
         for tracker in self.trackers:
+            time.sleep(0)
             if id(tracker) in self._failed:
                 continue
             if tracker.thread_safe:

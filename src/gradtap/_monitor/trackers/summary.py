@@ -11,8 +11,10 @@ The summary of a step (``log_keys="summary"``):
   ``<prefix>/max_<stat>_tensor``: the largest per-tensor value of each stat of each kind and
   the tensor that has it (a NaN wins: it is the value to see);
 * the values of the run's own names (``grad/amp_scale/scaler``, ``health/gns/all``, ...);
-* ``grad/spikes``: the tensors whose gradient norm the online spike detector (``gt.detect``'s)
-  flags at this step; ``grad/clipped``: the tensors a spike rule clipped (``clip_factor < 1``);
+* ``grad/spikes``: the (step, tensor) pairs whose gradient norm the online spike detector
+  (``gt.detect``'s, fed every computed step) flagged since the previous logged step, this step
+  included; ``grad/clipped``: the (step, tensor) pairs a spike rule clipped
+  (``clip_factor < 1``) over the same steps;
 * ``loss``.
 
 ``log_keys="all"`` sends every row of the step under its key (:mod:`.keys`) and the summary.
@@ -99,7 +101,9 @@ class _Plan:
                  budget_note: list[str]) -> None:
         names, kinds, stats = rows.labels()
         index = {(n, k, s): i for i, (n, k, s) in enumerate(zip(names, kinds, stats))}
-        self.norms = np.array([index.get((p, "param_grad", "norm"), -1) for p in params])
+        self.norms = np.array([index.get((p, "param_grad", "norm"), -1) for p in params],
+                              dtype=np.int64)
+        self.has_norms = bool((self.norms >= 0).any())
         labels = [group_of.get(p) for p in params]
         self.group_labels = list(dict.fromkeys(lb for lb in labels if lb is not None))
         pos = {lb: i for i, lb in enumerate(self.group_labels)}
@@ -107,7 +111,8 @@ class _Plan:
         self.loss = index.get((LOSS_NAME, "param_grad", "value"), -1)
         selected = set(params)
         self.clip = np.array([i for (n, k, s), i in index.items()
-                              if k == "param_grad" and s == "clip_factor" and n in selected])
+                              if k == "param_grad" and s == "clip_factor" and n in selected],
+                             dtype=np.int64)
         self.special: list[tuple[str, int]] = []
         maxes: dict[tuple[str, str], list[int]] = {}
         for (n, k, s), i in index.items():
@@ -158,7 +163,8 @@ class Summary:
         self._plans: dict[int, tuple[np.ndarray, _Plan]] = {}
         self._keys = KeyTable()
         self._scores = OnlineScores(len(self.params), WARMUP)
-        self._spikes: dict[int, int] = {}
+        self._spikes = 0  # flagged (step, tensor) pairs since the last logged step
+        self._clipped = 0
 
     def _plan(self, rows: StepRows) -> _Plan:
         hit = self._plans.get(id(rows.ids))
@@ -167,19 +173,25 @@ class Summary:
                                                                self.notes))
         return hit[1]
 
-    def observe(self, rows: StepRows) -> None:
-        """Add a computed step's gradient norms to the spike detector's history (every
-        computed step, logged or not, in step order)."""
+    def extract(self, rows: StepRows) -> tuple[int, np.ndarray | None, int]:
+        """What the counts need of a computed step, taken on the training thread (a few
+        values, so the rows need not be kept): ``(step, norms or None, clipped tensors)``."""
         plan = self._plan(rows)
-        if not (plan.norms >= 0).any():
-            return
-        norms = np.where(plan.norms >= 0, rows.values[plan.norms], np.nan)
-        flagged = int((self._scores.score(norms) > THRESHOLD).sum())
-        self._scores.push(norms)
-        self._spikes = {rows.step: flagged}
+        v = rows.values
+        norms = (np.where(plan.norms >= 0, v[np.maximum(plan.norms, 0)], np.nan)
+                 if plan.has_norms else None)
+        return rows.step, norms, int((v[plan.clip] < 1.0).sum()) if len(plan.clip) else 0
+
+    def observe(self, seen: tuple[int, np.ndarray | None, int]) -> None:
+        """Count one computed step (from :meth:`extract`, every computed step in order)."""
+        _, norms, clipped = seen
+        self._clipped += clipped
+        if norms is not None:
+            self._spikes += int((self._scores.score(norms) > THRESHOLD).sum())
+            self._scores.push(norms)
 
     def metrics(self, rows: StepRows) -> Metrics:
-        """The step's metrics (after :meth:`observe` of the same rows)."""
+        """The step's metrics (after :meth:`observe` of it and the steps before it)."""
         plan = self._plan(rows)
         v = rows.values
         out = Metrics()
@@ -195,10 +207,10 @@ class Summary:
                                   minlength=len(plan.group_labels))
                 for label, value in zip(plan.group_labels, np.sqrt(per).tolist()):
                     nums[f"grad/group_norm/{label}"] = value
-            if rows.step in self._spikes:
-                nums["grad/spikes"] = float(self._spikes[rows.step])
+            nums["grad/spikes"] = float(self._spikes)
         if len(plan.clip):
-            nums["grad/clipped"] = float((v[plan.clip] < 1.0).sum())
+            nums["grad/clipped"] = float(self._clipped)
+        self._spikes = self._clipped = 0
         for key, i in plan.special:
             nums[key] = float(v[i])
         for key, ix, names in plan.maxes:
