@@ -110,8 +110,8 @@ class CallbackCore:
                                log_every=log_every if trackers else None,
                                log_keys=self.log_keys if trackers else "summary",
                                log_groups=self.log_groups if trackers else None)
-        if self.monitor._trackers is not None and log_every is None:
-            self.monitor._trackers.log_every = None  # the trainer says when (log_now)
+        if self.monitor._trackers is not None:  # the trainer logs its own loss, and may say when
+            self.monitor._trackers.for_trainer(on_demand=log_every is None)
         if state is not None:
             self.monitor.load_state_dict(state)
         if self.detect:

@@ -82,6 +82,13 @@ class TrackerQueue:
             self._put(step, self._last)
             self._last = None
 
+    def for_trainer(self, *, on_demand: bool) -> None:
+        """Log as a trainer's callback: without ``loss`` (the trainer logs its own, under that
+        name in some trackers) and, ``on_demand``, only when :meth:`log_last` is called."""
+        self.summary.loss = False
+        if on_demand:
+            self.log_every = None
+
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Wait until the trackers have taken every queued step (before a trainer closes the
         writers they log to)."""

@@ -159,6 +159,8 @@ class Summary:
                         self.group_of[p] = label
                         break
         self.everything = everything
+        #: send ``loss`` (off in the callbacks: the trainers log their own loss)
+        self.loss = True
         self.notes: list[str] = []  # for the training thread to warn about, once each
         self._plans: dict[int, tuple[np.ndarray, _Plan]] = {}
         self._keys = KeyTable()
@@ -219,6 +221,8 @@ class Summary:
             at = int(nan[0]) if len(nan) else int(np.argmax(vals))
             nums[key] = float(vals[at])
             out.texts[f"{key}_tensor"] = names[at]
-        if plan.loss >= 0:
+        if plan.loss >= 0 and self.loss:
             nums[LOSS_KEY] = float(v[plan.loss])
+        elif self.everything:
+            nums.pop(LOSS_KEY, None)
         return out
