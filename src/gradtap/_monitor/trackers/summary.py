@@ -98,7 +98,7 @@ class _Plan:
     """Where each part of the summary is in the rows of one layout."""
 
     def __init__(self, rows: StepRows, params: Sequence[str], group_of: dict[str, str],
-                 budget_note: list[str]) -> None:
+                 budget_note: list[str] | None) -> None:
         names, kinds, stats = rows.labels()
         index = {(n, k, s): i for i, (n, k, s) in enumerate(zip(names, kinds, stats))}
         self.norms = np.array([index.get((p, "param_grad", "norm"), -1) for p in params],
@@ -127,7 +127,7 @@ class _Plan:
         room -= len(self.special)
         pairs = list(maxes.items())
         keep = max(room // 2, 0)
-        if len(pairs) > keep:
+        if len(pairs) > keep and budget_note is not None:
             budget_note.append(
                 f"the tracker summary keeps {MAX_KEYS} keys: the largest value of "
                 f"{', '.join(f'{p}/{s}' for (p, s), _ in pairs[keep:])} is not sent "
@@ -171,8 +171,8 @@ class Summary:
     def _plan(self, rows: StepRows) -> _Plan:
         hit = self._plans.get(id(rows.ids))
         if hit is None or hit[0] is not rows.ids:
-            hit = self._plans[id(rows.ids)] = (rows.ids, _Plan(rows, self.params, self.group_of,
-                                                               self.notes))
+            hit = self._plans[id(rows.ids)] = (rows.ids, _Plan(
+                rows, self.params, self.group_of, None if self.everything else self.notes))
         return hit[1]
 
     def extract(self, rows: StepRows) -> tuple[int, np.ndarray | None, int]:
