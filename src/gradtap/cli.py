@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -175,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
                         "training is not changed")
     p.add_argument("--report", action="store_true",
                    help="write DIR/report.html when the command ends, however it ends")
+    p.add_argument("--log-to", action="append", default=[], metavar="TRACKER",
+                   help="also log each step's summary live to tensorboard:DIR, wandb (the "
+                        "script's run, else a new one) or mlflow (the script's active run, "
+                        "else a new one); repeat for several")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the command to run, after --")
     p.set_defaults(func=_cmd_watch)
@@ -346,6 +351,7 @@ def _cmd_spike_demo(args: argparse.Namespace) -> int:
 def _cmd_watch(args: argparse.Namespace) -> int:
     import time
 
+    from gradtap._monitor.trackers.resolve import from_spec
     from gradtap._watch.launch import WatchOptions, run_watched
     from gradtap.store import DB_NAME
 
@@ -361,15 +367,27 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     stats = None if args.stats is None else [s.strip() for s in args.stats.split(",") if s.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     _check_monitor_options(stats, kinds, args.gns_from, args.batch_size)
+    for spec in args.log_to:
+        try:
+            from_spec(spec)
+        except ValueError as err:
+            raise _CliError(str(err)) from err
     options = WatchOptions(out=out, select=args.select, stats=stats or [], kinds=kinds,
                            every=args.every, detect=args.detect, report=args.report,
-                           gns_from=args.gns_from, batch_size=args.batch_size)
+                           gns_from=args.gns_from, batch_size=args.batch_size,
+                           log_to=[_absolute_dir(spec) for spec in args.log_to])
     try:
         return run_watched(command, options)
     except (FileNotFoundError, PermissionError) as err:
         print(f"gradtap watch: error: cannot run {command[0]!r}: {err.strerror}",
               file=sys.stderr)
         return 127 if isinstance(err, FileNotFoundError) else 126
+
+
+def _absolute_dir(spec: str) -> str:
+    """``tensorboard:DIR`` with DIR absolute (the script may change its directory)."""
+    kind, sep, where = spec.partition(":")
+    return f"{kind}:{os.path.abspath(where)}" if kind == "tensorboard" and sep else spec
 
 
 def _check_monitor_options(stats: list[str] | None, kinds: list[str], gns_from: str | None,

@@ -6,6 +6,7 @@
   collective, one host copy, rows, sinks
 * :mod:`~gradtap._monitor.rows`      series ids and a step's columnar rows (``StepRows``)
 * :mod:`~gradtap._monitor.sinks`     ``StepSink``, where the rows go; the history is the first
+* :mod:`~gradtap._monitor.trackers`  ``log_to=``: the live trackers, one sink behind a queue
 * :mod:`~gradtap._monitor.reducer`   which statistics of which tensors, one host copy per step
 * :mod:`~gradtap._monitor.scaler`    the grad scaler: unscaled gradients, scale and overflow
 * :mod:`~gradtap._monitor.sharded`   FSDP2: local shards, EWMA layouts, summaries over shards

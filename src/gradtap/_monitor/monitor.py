@@ -32,6 +32,7 @@ from gradtap._monitor.options import (
     DEFAULT_STATS,
     KINDS,
     STAT_NAMES,
+    check_logging,
     check_options,
     watched_parameters,
 )
@@ -42,6 +43,9 @@ from gradtap._monitor.snapshots import Snapshots
 from gradtap._monitor.spikes import ZSCORE_BETA, ZScores
 from gradtap._monitor.split import Splits, check_split
 from gradtap._monitor.step import StepPipeline
+from gradtap._monitor.trackers.queue import TrackerQueue
+from gradtap._monitor.trackers.resolve import resolve
+from gradtap._monitor.trackers.summary import Summary, check_groups
 from gradtap._types import Selector
 from gradtap.capture import (
     HookSet,
@@ -133,6 +137,24 @@ class Monitor:
             mean or the sum of its samples' gradients (``"samples"``: per_sample's own).
         per_sample: a ``gt.per_sample(model, quantities=("norm",))`` handle on the same model
             (``gns_from="samples"``; the Monitor clears it at each step).
+        log_to: live trackers that also get each logged step (``docs/guide-trackers.md``): a
+            ``torch.utils.tensorboard.SummaryWriter``, a wandb run or the ``wandb`` module (its
+            active run), the ``mlflow`` module (its active run), a Lightning ``Logger``, a
+            callable ``f(metrics: dict[str, float], step: int)``, or a list of them. Keys are
+            slash paths (``grad/norm/fc.weight``, ``grad/global_norm``, ``loss``). The store
+            stays the complete record (``store=None`` is fine); only rank 0 logs, the values of
+            the global gradient (the other ranks ignore ``log_to``: ``wandb.init()`` on rank 0
+            alone is fine). The trackers run on a thread behind a bounded queue: a
+            tracker that cannot keep up never stalls training (its steps are dropped, with one
+            warning); :meth:`close` waits for what is queued.
+        log_every: log the computed steps ``s`` with ``s % log_every == 0`` (a multiple of
+            ``every``; default ``every``). A step that is not logged costs the trackers nothing.
+        log_keys: ``"summary"`` (default): at most 64 keys per step whatever the model's size
+            (global and per-block gradient norms, the largest value of each stat and its
+            tensor, spike and clip counts, the loss); ``"all"``: every row of the step too.
+        log_groups: ``{parameter glob: label}``: the summary's group norms over these groups
+            (a parameter in the first group whose glob matches it) instead of the model's
+            top-level blocks; at most 16 labels.
 
     Raises:
         SelectionError: ``select`` matches nothing.
@@ -178,6 +200,10 @@ class Monitor:
         gns_beta: float = 0.95,
         loss_reduction: LossReduction | None = None,
         per_sample: SampleNorms | None = None,
+        log_to: Any = None,
+        log_every: int | None = None,
+        log_keys: str = "summary",
+        log_groups: dict[str, str] | None = None,
     ) -> None:
         sess = session(model, "Monitor")
         check_scaler(scaler, "Monitor")
@@ -187,10 +213,13 @@ class Monitor:
         self.stats, self.kinds, edges = check_options(
             stats, kinds, ewma=ewma, every=every, local_grads=local_grads, hist_bins=hist_bins,
             hist_scale=hist_scale, hist_range=hist_range, hist_linthresh=hist_linthresh)
+        self.log_every = check_logging(log_to, log_every, log_keys, log_groups, every)
         self.ewma_beta = None if ewma is None else float(ewma)
         self.every = every
         self.local_grads = local_grads
         self.rank, self.world_size = distributed.world()
+        # Only rank 0 logs: the other ranks need no tracker (wandb.init() only on rank 0).
+        trackers = [] if log_to is None or self.rank != 0 else resolve(log_to)
         moment_stats = tuple(st for st in self.stats if st in STAT_NAMES)
         if "zscore" in self.stats and "norm" not in moment_stats:  # zscore is the norm's
             moment_stats += ("norm",)
@@ -259,13 +288,22 @@ class Monitor:
                                                       overwrite=overwrite)
             else:
                 self._sink = MemoryRun(run_info)
+            sinks: list[Any] = [HistorySink(self._sink)]
+            names = [n for n, _ in self._params]
+            groups = None if log_groups is None else check_groups(log_groups, names)
+            #: the trackers' sink (rank 0 with log_to=), for the callbacks' own cadence
+            self._trackers: TrackerQueue | None = None
+            if trackers and self.rank == 0:  # the values of the global gradient, once
+                self._trackers = TrackerQueue(trackers, log_every=self.log_every, summary=Summary(
+                    names, groups, everything=log_keys == "all"))
+                sinks.append(self._trackers)
             self._pipeline = StepPipeline(
                 kinds=self.kinds, stats=self.stats, params=self._params, model=model,
                 sharded=self._sharded, local_grads=local_grads, reducer=self._reducer,
                 moments=self._moments, layouts=self._layouts, splits=self._splits,
                 snapshots=self._snapshots, ewma=self._ewma, health=self._health,
                 zscores=self._zscores, amp=self._amp, session=sess, rank=self.rank,
-                world_size=self.world_size, sinks=[HistorySink(self._sink)])
+                world_size=self.world_size, sinks=sinks)
         except BaseException:
             self._remove_hooks()
             raise

@@ -18,8 +18,8 @@ from gradtap.errors import SelectionError
 from gradtap.select import clean_name, select_parameters
 from gradtap.store import KIND_NAMES
 
-__all__ = ["DEFAULT_STATS", "GNS_STATS", "HEALTH_STATS", "KINDS", "MONITOR_STATS", "PARAM_KINDS",
-           "STAT_NAMES", "check_options", "watched_parameters"]
+__all__ = ["DEFAULT_STATS", "GNS_STATS", "HEALTH_STATS", "KINDS", "LOG_KEYS", "MONITOR_STATS",
+           "PARAM_KINDS", "STAT_NAMES", "check_logging", "check_options", "watched_parameters"]
 
 KINDS = KIND_NAMES
 DEFAULT_STATS = ("norm", "mean", "std", "absmax", "nonfinite")
@@ -34,6 +34,8 @@ STAT_NAMES = ops.STAT_NAMES
 MONITOR_STATS = (*ops.STAT_NAMES, *HEALTH_STATS, *DERIVED_STATS)
 #: The kinds read from the parameters at ``step()``, with no hook.
 PARAM_KINDS = ("param_grad", "param", "update", "grad_cosine")
+#: What ``log_keys=`` takes: the summary of each logged step, or every row too.
+LOG_KEYS = ("summary", "all")
 
 
 def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | None,
@@ -59,6 +61,32 @@ def check_options(stats: Sequence[str], kinds: Sequence[str], *, ewma: float | N
         raise ValueError("nothing to compute: stats is empty and there are no histograms, "
                          "EWMA, update ratio or grad_cosine")
     return stats, kinds, edges
+
+
+def check_logging(log_to: object, log_every: int | None, log_keys: str, log_groups: object,
+                  every: int) -> int:
+    """The logging cadence (``log_every``, by default ``every``), or a ``ValueError`` for a
+    logging option that is wrong alone or with the others (the trackers themselves are
+    checked when they are resolved)."""
+    if log_to is None:
+        given = [f"{n}={v!r}" for n, v, d in (("log_every", log_every, None),
+                                             ("log_keys", log_keys, "summary"),
+                                             ("log_groups", log_groups, None)) if v != d]
+        if given:
+            raise ValueError(f"{', '.join(given)} without log_to=: say where to log (a "
+                             "SummaryWriter, a wandb run, mlflow, a Lightning Logger, a callable)")
+        return every
+    if log_keys not in LOG_KEYS:
+        raise ValueError(f"log_keys must be one of {', '.join(map(repr, LOG_KEYS))}; got "
+                         f"{log_keys!r}")
+    if log_every is None:
+        return every
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be a positive int; got {log_every!r}")
+    if log_every % every:
+        raise ValueError(f"log_every={log_every} must be a multiple of every={every}: only "
+                         "computed steps can be logged")
+    return log_every
 
 
 def watched_parameters(model: nn.Module, select: Selector, kinds: Sequence[str], *,

@@ -237,25 +237,24 @@ class OnlineScores:
         self._fresh = False
 
     def _own_scales(self, rows: np.ndarray) -> np.ndarray:
-        n_own = self._n_own[rows]
-        full = n_own >= WINDOW
+        n_own = np.minimum(self._n_own[rows], WINDOW)
         out = np.empty(len(rows))
-        if full.any():
-            out[full] = _scales(self._own[rows[full]])
-        for k in np.flatnonzero(~full).tolist():
-            out[k] = _scales(self._own[rows[k]:rows[k] + 1, WINDOW - n_own[k]:])[0]
+        # rows with histories of one length together (the same numbers, row by row)
+        for n in np.unique(n_own).tolist():
+            at = np.flatnonzero(n_own == n)
+            out[at] = _scales(self._own[rows[at], WINDOW - n:])
         return out
 
     def _refresh(self) -> None:
         if self._fresh:
             return
         self._fresh = True
-        full = self._count >= WINDOW
+        count = np.minimum(self._count, WINDOW)
         self._base = np.full(len(self._count), np.nan)
-        if full.any():
-            self._base[full] = _baselines(self._x[full])
-        for i in np.flatnonzero(~full & (self._count >= 2)).tolist():
-            self._base[i] = _baselines(self._x[i:i + 1, WINDOW - self._count[i]:])[0]
+        # tensors with histories of one length together (the same numbers, row by row)
+        for n in np.unique(count[count >= 2]).tolist():
+            at = np.flatnonzero(count == n)
+            self._base[at] = _baselines(self._x[at, WINDOW - n:])
 
 
 def _shift_in(ring: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
+from gradtap._monitor.trackers.resolve import from_spec
 from gradtap.capture import HookSet, ScalerWatch
 from gradtap.report.data import write_anomalies
 from gradtap.select import select_parameters, unwrap_model
@@ -105,6 +106,7 @@ class _Watcher:
         self.detect = bool(config.get("detect", False))
         self.gns_from = config.get("gns_from")
         self.batch_size = config.get("batch_size")
+        self.log_to = list(config.get("log_to") or ())
         self.pid = os.getpid()
         self.main = os.environ.get(MAIN_ENV, str(self.pid)) == str(self.pid)
         self.count = 0
@@ -204,6 +206,8 @@ class _Watcher:
         kwargs: dict[str, Any] = {} if not self.stats else {"stats": self.stats}
         if self.gns_from is not None:  # the first step's backward came before: its gns is NaN
             kwargs["gns_from"] = self.gns_from
+        if self.log_to:  # --log-to: the trackers, made now (a second optimizer: its own folder)
+            kwargs["log_to"] = [from_spec(spec, index)() for spec in self.log_to]
         try:
             monitor = Monitor(model, select, kinds=self.kinds, every=self.every, store=path,
                               scaler=scaler, meta={"watch": {

@@ -35,6 +35,7 @@ class WatchOptions:
     report: bool = False
     gns_from: str | None = None
     batch_size: int | None = None
+    log_to: list[str] = field(default_factory=list)
 
 
 def run_dirs(out: str | os.PathLike[str]) -> list[Path]:
@@ -60,7 +61,7 @@ def run_watched(command: Sequence[str], options: WatchOptions) -> int:
     config = {"out": os.path.abspath(options.out), "select": options.select,
               "stats": list(options.stats), "kinds": list(options.kinds),
               "every": options.every, "detect": options.detect, "gns_from": options.gns_from,
-              "batch_size": options.batch_size}
+              "batch_size": options.batch_size, "log_to": list(options.log_to)}
     folder = tempfile.mkdtemp(prefix="gradtap-watch-")
     try:
         shutil.copyfile(site.__file__, os.path.join(folder, "sitecustomize.py"))

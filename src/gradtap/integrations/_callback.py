@@ -23,10 +23,14 @@ from gradtap.report.data import write_anomalies
 from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
 
-__all__ = ["STATE_FILE", "CallbackCore", "CallbackViews"]
+__all__ = ["STATE_FILE", "TRAINER", "CallbackCore", "CallbackViews"]
 
 #: The file the Hugging Face callback writes into each checkpoint directory.
 STATE_FILE = "gradtap_state.pt"
+
+#: ``log_to=`` of the callbacks: the trainer's own loggers (Lightning) or integrations (the
+#: Hugging Face Trainer's ``report_to``).
+TRAINER = "trainer"
 
 #: What ``anomalies.json`` says wrote it.
 ANOMALY_SOURCE = "gradtap callback (detect=True)"
@@ -40,7 +44,9 @@ class CallbackCore:
 
     def __init__(self, store: str | os.PathLike[str] | None, select: Selector,
                  stats: Sequence[str], kinds: Sequence[str], every: int, ewma: float | None,
-                 hist_bins: int | None, detect: bool | str) -> None:
+                 hist_bins: int | None, detect: bool | str, log_to: Any = TRAINER,
+                 log_every: int | None = None, log_keys: str = "summary",
+                 log_groups: dict[str, str] | None = None) -> None:
         if detect not in (True, False, "samples"):
             raise ValueError(f"detect must be True, False or 'samples'; got {detect!r}")
         self.store = None if store is None else os.fspath(store)
@@ -51,6 +57,10 @@ class CallbackCore:
         self.ewma = ewma
         self.hist_bins = hist_bins
         self.detect = detect
+        self.log_to = log_to
+        self.log_every = log_every
+        self.log_keys = log_keys
+        self.log_groups = log_groups
         self.monitor: Monitor | None = None
         self.detector: Detector | None = None
         self.skipped: list[int] = []
@@ -67,19 +77,24 @@ class CallbackCore:
         # Checked now, not at the first training step: a bad option fails where it is written
         # (on a stand-in model with one submodule, as every kind can watch it).
         Monitor(nn.Sequential(nn.Linear(1, 1)), "*", stats=self.stats, kinds=self.kinds,
-                ewma=ewma, hist_bins=hist_bins, every=every).close()
+                ewma=ewma, hist_bins=hist_bins, every=every,
+                log_to=None if log_to is None else print, log_every=log_every,
+                log_keys=log_keys).close()
 
     @property
     def started(self) -> bool:
         return self.monitor is not None
 
     def start(self, model: nn.Module, default_dir: str | os.PathLike[str],
-              meta: dict[str, Any], scaler: torch.amp.GradScaler | None = None) -> Monitor:
+              meta: dict[str, Any], scaler: torch.amp.GradScaler | None = None,
+              trackers: Sequence[Any] = (), log_every: int | None = None) -> Monitor:
         """Make the Monitor (and detector) over ``model``, writing to ``store`` or, when that
         is ``None``, to ``default_dir`` (a free ``gradtap-<step>`` beside it when a resumed
         run would find the first run's store there). ``scaler``: the trainer's
         ``GradScaler`` under mixed precision (statistics of the unscaled gradients; a step
-        the scaler skips is an overflow, not an anomaly to skip)."""
+        the scaler skips is an overflow, not an anomaly to skip). ``trackers``: what the
+        Monitor logs to (the trainer's loggers, or ``log_to``); ``log_every``: its cadence
+        (``None``: only when :meth:`log_now` says)."""
         self.stop("finished")
         model = unwrap_model(model)
         state, self._pending_state = self._pending_state, None
@@ -93,7 +108,13 @@ class CallbackCore:
             self._loss_scale = self._loss_hooks.grad_scaler(scaler)
         self.monitor = Monitor(model, self.select, stats=self.stats, kinds=self.kinds,
                                ewma=self.ewma, hist_bins=self.hist_bins, every=self.every,
-                               store=path, meta=meta, scaler=scaler)
+                               store=path, meta=meta, scaler=scaler,
+                               log_to=list(trackers) or None,
+                               log_every=log_every if trackers else None,
+                               log_keys=self.log_keys if trackers else "summary",
+                               log_groups=self.log_groups if trackers else None)
+        if self.monitor._trackers is not None:  # the trainer logs its own loss, and may say when
+            self.monitor._trackers.for_trainer(on_demand=log_every is None)
         if state is not None:
             self.monitor.load_state_dict(state)
         if self.detect:
@@ -108,6 +129,25 @@ class CallbackCore:
         if self.detect == "samples":
             ids = batch.get("sample_ids") if isinstance(batch, Mapping) else None
             self._batch_ids.append(ids)
+
+    def trackers(self, from_trainer: Sequence[Any]) -> list[Any]:
+        """What the Monitor logs to: ``log_to``, or with the default the trainer's own."""
+        if self.log_to is None:
+            return []
+        if isinstance(self.log_to, str) and self.log_to == TRAINER:
+            return list(from_trainer)
+        return list(self.log_to) if isinstance(self.log_to, (list, tuple)) else [self.log_to]
+
+    def log_now(self, step: int) -> None:
+        """Log the last computed step to the trackers at the trainer's step ``step``."""
+        if self.monitor is not None and self.monitor._trackers is not None:
+            self.monitor._trackers.log_last(step)
+
+    def drain(self) -> None:
+        """Wait until the trackers have taken the queued steps (before the trainer closes
+        their writers)."""
+        if self.monitor is not None and self.monitor._trackers is not None:
+            self.monitor._trackers.drain()
 
     def optimizer_step(self) -> bool:
         """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`."""

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector
-from gradtap.integrations._callback import CallbackCore, CallbackViews
+from gradtap.integrations._callback import TRAINER, CallbackCore, CallbackViews
 
 __all__ = ["GradtapCallback"]
 
@@ -65,6 +65,13 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
             also names the samples behind each anomaly (``gt.detect(..., samples=True)``),
             with the ids of a batch that is a dict with a ``"sample_ids"`` entry (one id per
             row; without gradient accumulation), as ``Anomaly.sample_ids``.
+        log_to: where each logged step's values also go: ``"trainer"`` (default) the trainer's
+            loggers (``trainer.loggers``: ``logger.log_metrics(metrics, step)`` at the
+            trainer's global step, rank 0 only), ``None`` nowhere, or what
+            :class:`gradtap.Monitor`'s ``log_to=`` takes.
+        log_every: log every ``log_every`` optimizer steps (default: the trainer's
+            ``log_every_n_steps``, rounded up to a multiple of ``every``).
+        log_keys, log_groups: as for :class:`gradtap.Monitor`.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -77,8 +84,11 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
                  stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
-                 detect: bool | Literal["samples"] = False) -> None:
-        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
+                 detect: bool | Literal["samples"] = False, log_to: Any = TRAINER,
+                 log_every: int | None = None, log_keys: str = "summary",
+                 log_groups: dict[str, str] | None = None) -> None:
+        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect,
+                                  log_to, log_every, log_keys, log_groups)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -89,9 +99,13 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
         log_dir = trainer.log_dir or trainer.default_root_dir
         # Under precision="16-mixed" the plugin's GradScaler: unscaled statistics.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        every = self._core.every
+        n_steps = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)
+        log_every = self._core.log_every or -(-n_steps // every) * every
         self._core.start(pl_module, Path(log_dir) / "gradtap",
                          meta={"framework": "lightning"},
-                         scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)
+                         scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+                         trackers=self._core.trackers(trainer.loggers), log_every=log_every)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
                            loss: torch.Tensor) -> None:

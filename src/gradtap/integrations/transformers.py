@@ -10,6 +10,7 @@ the accumulated gradients **before clipping** (``max_grad_norm``).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,13 +22,14 @@ from gradtap.errors import missing_extra
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_extra("gradtap.integrations.transformers", "transformers", "transformers") from exc
 
 from gradtap._monitor.monitor import DEFAULT_STATS
 from gradtap._types import Selector
 from gradtap.capture import HookSet
-from gradtap.integrations._callback import STATE_FILE, CallbackCore, CallbackViews
+from gradtap.integrations._callback import STATE_FILE, TRAINER, CallbackCore, CallbackViews
 from gradtap.select import unwrap_model
 
 __all__ = ["GradtapCallback"]
@@ -73,6 +75,12 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         detect: skip the optimizer step on an anomaly (see above); ``"samples"`` also names
             the samples behind each anomaly as batch positions (``Anomaly.samples``; the
             Trainer hands the model only the columns it takes, so no ids reach it).
+        log_to: where the values also go: ``"trainer"`` (default) every integration the
+            Trainer reports to (``report_to``: TensorBoard, wandb and MLflow, through their
+            callbacks' own writer and runs), at the Trainer's own logging cadence
+            (``logging_steps``) and global step, under gradtap's keys; ``None`` nowhere; or
+            what :class:`gradtap.Monitor`'s ``log_to=`` takes (then at the same cadence).
+        log_keys, log_groups: as for :class:`gradtap.Monitor`.
 
     Example:
         >>> from gradtap.integrations.transformers import GradtapCallback
@@ -83,8 +91,11 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
                  stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
-                 detect: bool | Literal["samples"] = False) -> None:
-        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
+                 detect: bool | Literal["samples"] = False, log_to: Any = TRAINER,
+                 log_keys: str = "summary", log_groups: dict[str, str] | None = None) -> None:
+        self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect,
+                                  log_to, None, log_keys, log_groups)
+        self._integrations: list[Any] = []
         self._model: torch.nn.Module | None = None
         self._sync: Any = None
         self._hooks: HookSet | None = None
@@ -103,6 +114,9 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         # Under fp16 mixed precision Accelerate's optimizer holds the run's GradScaler.
         scaler = getattr(optimizer, "scaler", None)
         self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
+        # The report_to integrations ran their on_train_begin before this one (the Trainer puts
+        # them before the user's callbacks): their writers and runs are ready.
+        self._integrations = _integration_callbacks(self)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._core.started or self._model is None:
@@ -111,7 +125,8 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
             self._load(args, state)
         model = unwrap_model(self._model)
         self._core.start(model, Path(args.output_dir) / "gradtap",
-                         meta={"framework": "transformers"}, scaler=self._scaler)
+                         meta={"framework": "transformers"}, scaler=self._scaler,
+                         trackers=self._core.trackers(_trackers_of(self._integrations)))
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self._hooks = HookSet()
         self._hooks.after_accumulation([params], self._end_of_backward)
@@ -157,6 +172,15 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
                 for p in group["params"]:
                     p.grad = None
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer's own flow callback (before this one) has decided whether this step logs.
+        if control.should_log:
+            self._core.log_now(state.global_step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # before the integrations' on_train_end closes their writers (TensorBoard's)
+        self._core.drain()
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
@@ -184,3 +208,39 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         warnings.warn(f"resuming at step {state.global_step} without gradtap's state (no "
                       f"{STATE_FILE} in {', '.join(map(str, candidates))}): the Monitor's "
                       "steps and EWMA start afresh", stacklevel=2)
+
+
+def _integration_callbacks(me: TrainerCallback) -> list[Any]:
+    """The other callbacks of the Trainer that holds ``me``: its ``CallbackHandler`` is the
+    caller of this event (found once, at train begin, from the calling frames)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler) and me in handler.callbacks:
+            return [cb for cb in handler.callbacks if cb is not me]
+        frame = frame.f_back
+    return []
+
+
+def _trackers_of(callbacks: Sequence[Any]) -> list[Any]:
+    """The objects of the ``report_to`` integrations gradtap logs into: TensorBoard's writer,
+    the wandb run, the MLflow run; a warning names each other integration it cannot."""
+    out: list[Any] = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        if name == "TensorBoardCallback":
+            if getattr(cb, "tb_writer", None) is not None:  # None on ranks other than 0
+                out.append(cb.tb_writer)
+        elif name == "WandbCallback":
+            run = getattr(getattr(cb, "_wandb", None), "run", None)
+            if run is not None:
+                out.append(run)
+        elif name == "MLflowCallback":
+            mlflow = getattr(cb, "_ml_flow", None)
+            run = None if mlflow is None else mlflow.active_run()
+            if run is not None:
+                out.append(run)
+        elif type(cb).__module__.startswith("transformers.integrations"):
+            warnings.warn(f"gradtap does not log into {name} (it logs into TensorBoard, wandb "
+                          "and MLflow); its statistics are in the run store", stacklevel=3)
+    return out
