@@ -196,3 +196,49 @@ print("totals", json.dumps(totals))
         {s: min(1.0, 0.5 / (t + 1e-6)) for s, t in enumerate(totals)}, rel=1e-6)
     assert "<clip>" not in {ly.name for ly in data.layers}
     assert "step 2: clipped (smallest factor" in (out / "report.html").read_text()
+
+
+HF = """
+import json
+import torch
+import transformers
+
+torch.manual_seed(0)
+cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+model = transformers.GPT2LMHeadModel(cfg)
+ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(1))
+data = [{"input_ids": x, "labels": x} for x in ids]
+args = transformers.TrainingArguments(
+    output_dir="out", max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    max_grad_norm=1e-3, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+    save_strategy="no", dataloader_num_workers=0, seed=0)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+print("logged", json.dumps([h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]))
+print("params", json.dumps([p.double().sum().item() for p in model.parameters()]))
+"""
+
+
+def test_a_hugging_face_trainer_script_stores_the_norm_the_trainer_logs(tmp_path, capfd,
+                                                                          monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    (tmp_path / "hf.py").write_text(HF)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    plain = subprocess.run([sys.executable, "hf.py"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": SRC})
+    assert plain.returncode == 0, plain.stderr
+    capfd.readouterr()
+    assert main(["watch", "--out", "run", "--", sys.executable, "hf.py"]) == 0
+    out = capfd.readouterr().out
+    mine = [line for line in out.splitlines() if line.startswith(("logged", "params"))]
+    assert mine == [line for line in plain.stdout.splitlines()
+                    if line.startswith(("logged", "params"))]  # the same training
+    logged = json.loads(mine[0].split(" ", 1)[1])
+    run = gt.open_run(tmp_path / "run")
+    assert run.series("<clip>", "norm")[1].tolist() == logged
+    norms = run.frame(stats="norm")
+    for step, total in enumerate(logged):
+        mine_ = norms[(norms.step == step) & (norms.name != "<clip>")].value
+        assert math.sqrt((mine_ ** 2).sum()) == pytest.approx(total, rel=1e-4)

@@ -102,13 +102,38 @@ def _tensors(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return [parameters] if isinstance(parameters, Tensor) else list(parameters)
 
 
-def _wrap(original: Callable[..., Any], kind: str, around: Callable[[Clip], None],
-          live: Callable[[], bool], on_error: Callable[[BaseException], None]
-          ) -> Callable[..., Any]:
+class _Subscriber:
+    __slots__ = ("around", "live", "on_error")
+
+    def __init__(self, around: Callable[[Clip], None], live: Callable[[], bool],
+                 on_error: Callable[[BaseException], None]) -> None:
+        self.around = around
+        self.live = live
+        self.on_error = on_error
+
+
+# Every subscriber of the process, in order; the wrappers are on while there is one.
+_SUBSCRIBERS: list[_Subscriber] = []
+_ORIGINALS: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
+
+
+def _through(sub: _Subscriber, call: Clip) -> Any:
+    """Run ``call`` through one subscriber: its ``around``, then the clip if it did not."""
+    try:
+        sub.around(call)
+    except BaseException as exc:
+        if call.error is not None or not isinstance(exc, Exception):
+            raise  # the clip's own error (or an interrupt), as without the wrapper
+        sub.on_error(exc)
+    return call.run()
+
+
+def _wrap(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def clip(*args: Any, **kwargs: Any) -> Any:
-        if not live() or getattr(_inside, "on", False):
+        subs = [] if getattr(_inside, "on", False) else [s for s in _SUBSCRIBERS if s.live()]
+        if not subs:
             return original(*args, **kwargs)
         try:
             bound = signature.bind(*args, **kwargs)
@@ -118,19 +143,19 @@ def _wrap(original: Callable[..., Any], kind: str, around: Callable[[Clip], None
         params = _tensors(values["parameters"])
         values["parameters"] = params  # a generator is read once, here
         args, kwargs = bound.args, bound.kwargs
-        call = Clip(kind, params, _number(values.get("max_norm")),
-                    float(values.get("norm_type", 2.0)), _number(values.get("clip_value")),
-                    values.get("total_norm") if kind == "with_norm" else None,
-                    _run=lambda: original(*args, **kwargs))
+
+        def level(i: int) -> Any:
+            if i == len(subs):
+                return original(*args, **kwargs)
+            call = Clip(kind, params, _number(values.get("max_norm")),
+                        float(values.get("norm_type", 2.0)), _number(values.get("clip_value")),
+                        values.get("total_norm") if kind == "with_norm" else None,
+                        _run=lambda: level(i + 1))
+            return _through(subs[i], call)
+
         _inside.on = True
         try:
-            try:
-                around(call)
-            except BaseException as exc:
-                if call.error is not None or not isinstance(exc, Exception):
-                    raise  # the clip's own error (or an interrupt), as without the wrapper
-                on_error(exc)
-            return call.run()
+            return level(0)
         finally:
             _inside.on = False
 
@@ -150,10 +175,31 @@ def _number(value: Any) -> float | None:
         return math.nan
 
 
+def _install() -> None:
+    import importlib
+
+    for module_name, attr, kind in _TARGETS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr, None)
+        if original is not None:
+            wrapped = _wrap(original, kind)
+            setattr(module, attr, wrapped)
+            _ORIGINALS.append((module, attr, original, wrapped))
+
+
+def _uninstall() -> None:
+    for module, attr, original, wrapped in reversed(_ORIGINALS):
+        if getattr(module, attr, None) is wrapped:  # not replaced since by someone else
+            setattr(module, attr, original)
+    _ORIGINALS.clear()
+
+
 def around_any_clip(around: Callable[[Clip], None], live: Callable[[], bool],
                     on_error: Callable[[BaseException], None]) -> Callable[[], None]:
     """Call ``around(clip)`` in place of every gradient clip of the process while ``live()``
-    (see the module docstring); returns the function that takes the wrappers off again.
+    (see the module docstring); returns the function that ends the subscription. Several
+    subscribers nest: the first one's ``clip.run()`` goes through the next, the last one's
+    runs the real clip. The functions are wrapped while there is a subscriber.
 
     Example:
         >>> import torch
@@ -163,31 +209,20 @@ def around_any_clip(around: Callable[[Clip], None], live: Callable[[], bool],
         >>> def around(clip):
         ...     seen.append(float(clip.parameters[0].grad.norm()))  # before the clip
         ...     clip.run()
-        >>> restore = around_any_clip(around, lambda: True, print)
+        >>> stop = around_any_clip(around, lambda: True, print)
         >>> float(torch.nn.utils.clip_grad_norm_([w], 1.0)), seen
         (4.0, [4.0])
-        >>> restore()
+        >>> stop()
     """
-    import importlib
+    sub = _Subscriber(around, live, on_error)
+    if not _SUBSCRIBERS:
+        _install()
+    _SUBSCRIBERS.append(sub)
 
-    undo: list[Callable[[], None]] = []
-    for module_name, attr, kind in _TARGETS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attr, None)
-        if original is None:
-            continue
-        wrapped = _wrap(original, kind, around, live, on_error)
-        setattr(module, attr, wrapped)
+    def stop() -> None:
+        if sub in _SUBSCRIBERS:
+            _SUBSCRIBERS.remove(sub)
+            if not _SUBSCRIBERS:
+                _uninstall()
 
-        def restore(module: Any = module, attr: str = attr, wrapped: Any = wrapped,
-                    original: Any = original) -> None:
-            if getattr(module, attr, None) is wrapped:
-                setattr(module, attr, original)
-
-        undo.append(restore)
-
-    def restore_all() -> None:
-        for fn in reversed(undo):
-            fn()
-
-    return restore_all
+    return stop
