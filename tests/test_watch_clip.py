@@ -242,3 +242,70 @@ def test_a_hugging_face_trainer_script_stores_the_norm_the_trainer_logs(tmp_path
     for step, total in enumerate(logged):
         mine_ = norms[(norms.step == step) & (norms.name != "<clip>")].value
         assert math.sqrt((mine_ ** 2).sum()) == pytest.approx(total, rel=1e-4)
+
+
+LIGHTNING = """
+import json, sys
+import torch
+from torch import nn
+import lightning.pytorch as pl
+
+CLIP = float(sys.argv[1])
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    def training_step(self, batch, i):
+        x, y = batch
+        return (self.net(x) - y).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class BeforeClip(pl.Callback):  # runs before Lightning's clip, after the step's backwards
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        grads = {n: p.grad for n, p in module.named_parameters()}
+        print("norms", json.dumps({n: g.norm().item() for n, g in grads.items()}))
+        print("total", torch.nn.utils.get_total_norm(list(grads.values())).item())
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(12, 4, generator=g)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                                   batch_size=2)
+model = Tiny()
+pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[BeforeClip()], logger=False,
+           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+           accelerator="cpu", devices=1, gradient_clip_val=CLIP or None).fit(model, data)
+print("params", json.dumps([p.double().sum().item() for p in model.parameters()]))
+"""
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.01])
+def test_a_lightning_script_its_closure_and_its_clip(tmp_path, capfd, monkeypatch, clip):
+    # Lightning steps its optimizer with a closure that runs the last micro-batch's backward
+    # inside step(): the statistics are those of the whole step's gradient all the same.
+    pytest.importorskip("lightning")
+    (tmp_path / "pl.py").write_text(LIGHTNING)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    plain = subprocess.run([sys.executable, "pl.py", str(clip)], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC})
+    assert plain.returncode == 0, plain.stderr
+    capfd.readouterr()
+    assert main(["watch", "--out", "run", "--", sys.executable, "pl.py", str(clip)]) == 0
+    out = capfd.readouterr().out
+    assert out == plain.stdout
+    printed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+               if line.startswith("norms ")]
+    totals = [float(line.split()[1]) for line in out.splitlines() if line.startswith("total ")]
+    run = gt.open_run(tmp_path / "run")
+    assert run.steps == [0, 1, 2] and len(printed) == 3
+    norms = run.frame(stats="norm")
+    for step, seen in enumerate(printed):
+        mine = norms[(norms.step == step) & (norms.name != "<clip>")].set_index("name").value
+        assert mine.to_dict() == pytest.approx(seen, rel=1e-6)
+    if clip:
+        assert run.series("<clip>", "norm")[1].tolist() == totals
+    else:
+        assert "<clip>" not in run.names

@@ -6,7 +6,9 @@ done until an optimizer steps: at its first ``step()`` (or ``scaler.step(optimiz
 optimizer's parameters are named by the modules that own them and its Monitor (and, with
 ``detect``, a detector that records and never skips) is made; from then on the Monitor closes
 one step right before each of the optimizer's steps, so its statistics are those of the
-gradients the optimizer receives. Under a ``torch.amp.GradScaler`` the Monitor is given the
+gradients the optimizer receives; right before the script's first gradient clip of the step
+instead when it clips (the gradients before the clip, and what the clip did), and, for a
+``step(closure)``, when the closure first returns (its backward ran inside ``step()``). Under a ``torch.amp.GradScaler`` the Monitor is given the
 scaler (unscaled statistics, fused optimizers included), and a step the scaler skips (no
 ``optimizer.step()``) is still one Monitor step, stored as an overflow.
 
@@ -131,14 +133,38 @@ class _Watcher:
     # before the first clip of an optimizer's step, over the gradients before it, with what
     # the clip did; that optimizer's step() then takes none.
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # An optimizer stepped with a closure (Lightning's, LBFGS) computes its gradients inside
+    # step(): the closure is wrapped, and the Monitor step taken when it first returns (or
+    # before the clip it makes).
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                     kwargs: Any) -> tuple[Any, Any] | None:
         watched = self._get(optimizer, None)
-        if watched is not None:
-            watched.stepped = True
-            if watched.clipped:
-                watched.clipped = False
-            else:
-                self._guarded(watched.step)
+        if watched is None:
+            return None
+        watched.stepped = True
+        if watched.clipped:
+            watched.clipped = False
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._guarded(watched.step)
+            return None
+        first = [True]
+
+        def closure_then_step() -> Any:
+            out = closure()
+            if first[0]:
+                first[0] = False
+                if watched.clipped:
+                    watched.clipped = False
+                else:
+                    self._guarded(watched.step)
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_step}
+        return (closure_then_step, *args[1:]), kwargs
 
     def _around_clip(self, clip: Clip) -> None:
         watched = None if self.failed else self._clipped_optimizer(clip.parameters)

@@ -123,15 +123,17 @@ class HookSet:
 
         self._handles.append(optimizer.register_step_pre_hook(hook))
 
-    def any_optimizer_step_pre(self, fn: Callable[..., None]) -> None:
+    def any_optimizer_step_pre(self, fn: Callable[..., Any]) -> None:
         """Run ``fn(optimizer, args, kwargs)`` right before the ``step()`` of every
         ``torch.optim.Optimizer`` of the process, made before or after this call (torch's
-        global optimizer pre-hook)."""
+        global optimizer pre-hook). ``fn`` may return new ``(args, kwargs)`` for the step (a
+        wrapped ``closure``), as torch's pre-hooks may; ``None`` keeps them."""
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
             if self._live():
-                fn(opt, args, kwargs)
+                return fn(opt, args, kwargs)
+            return None
 
         self._handles.append(register_optimizer_step_pre_hook(hook))
 
