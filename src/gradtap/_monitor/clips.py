@@ -58,7 +58,8 @@ class ClipRows:
         self.clip = clip
         self.names = [n for n, p in params
                       if id(p) in given and p.grad is not None and n not in ruled]
-        self._grads = [p for n, p in params if n in set(self.names)]
+        kept = set(self.names)
+        self._grads = [p for n, p in params if n in kept]
         self._before: list[tuple[list[int], Tensor]] | None = None
         if clip.kind == "value" and self._grads:
             self._before = ops.norms([p.grad for p in self._grads if p.grad is not None])

@@ -86,16 +86,20 @@ class Clip:
         """The factor the clip multiplied every gradient by (0-dim tensor, no host sync), as
         torch computes it: ``min(1, max_norm / (total + 1e-6))``; ``None`` for ``"value"`` or
         before :meth:`run`."""
-        total = self.result if self.kind == "norm" else self.total_norm
-        if not self.ran or self.kind == "value" or not isinstance(total, Tensor):
+        total = self.norm()
+        if not self.ran or total is None:
             return None
         assert self.max_norm is not None
-        return torch.clamp(self.max_norm / (total.detach() + 1e-6), max=1.0)
+        return torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
 
     def norm(self) -> Tensor | None:
-        """The total norm the clip scaled by (``None`` for ``"value"``)."""
+        """The total norm the clip scaled by (``None`` for ``"value"``); a DTensor's (FSDP2)
+        as one whole tensor."""
         total = self.result if self.kind == "norm" else self.total_norm
-        return total.detach() if isinstance(total, Tensor) else None
+        if not isinstance(total, Tensor):
+            return None
+        full = getattr(total, "full_tensor", None)  # every rank clips: a symmetric collective
+        return (full() if callable(full) else total).detach()
 
 
 def _tensors(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
