@@ -4,8 +4,6 @@ the EWMA carried across a checkpoint resume, ``detect=True`` skipping a NaN step
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -92,17 +90,53 @@ def test_one_step_per_optimizer_step_with_the_norms_the_optimizer_received(tmp_p
             assert got == pytest.approx(norm, rel=1e-5)
 
 
-def test_norms_are_taken_before_gradient_clipping(tmp_path):
-    model = Tiny()
+class BeforeClip(pl.Callback):
+    """The oracle of the gradient before Lightning's clip: on_before_optimizer_step runs
+    before it."""
+
+    def __init__(self):
+        self.seen: list[dict[str, float]] = []
+        self.totals: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.seen.append({n: g.norm().item() for n, g in grads.items()})
+        self.totals.append(torch.nn.utils.get_total_norm(list(grads.values())).item())
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_norms_are_taken_before_gradient_clipping(tmp_path, algorithm):
+    clip_val = 1e-3 if algorithm == "norm" else 1e-4
+    model, before = Tiny(), BeforeClip()
     cb = GradtapCallback()
-    trainer(tmp_path, cb, max_steps=2, enable_checkpointing=False,
-            gradient_clip_val=1e-3).fit(model, data())
-    df = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap").frame(stats="norm")
-    for step, seen in enumerate(model.seen):
-        clipped = math.sqrt(sum(v**2 for v in seen.values()))
-        assert clipped == pytest.approx(1e-3, rel=1e-3)  # the optimizer got clipped gradients
-        total = math.sqrt((df[df.step == step].value ** 2).sum())
-        assert total > 10 * clipped  # gradtap saw them before clipping
+    t = trainer(tmp_path, cb, max_steps=3, enable_checkpointing=False, gradient_clip_val=clip_val,
+                gradient_clip_algorithm=algorithm)
+    t.callbacks.append(before)
+    t.fit(model, data())
+    plain = Tiny()
+    trainer(tmp_path / "plain", BeforeClip(), max_steps=3, enable_checkpointing=False,
+            gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm).fit(plain, data())
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), name  # bit for bit as without gradtap
+    run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
+    assert run.steps == [0, 1, 2] and len(model.seen) == len(before.seen) == 3
+    df = run.frame(stats="norm")
+    factors = run.frame(stats="clip_factor")
+    for step, (seen, clipped) in enumerate(zip(before.seen, model.seen)):
+        mine = df[(df.step == step) & ~df.name.str.startswith("<")].set_index("name").value
+        assert mine.to_dict() == pytest.approx(seen, rel=1e-5)  # before the clip
+        per = factors[(factors.step == step) & (factors.name != "<clip>")]
+        per = per.set_index("name").value.to_dict()
+        assert per == pytest.approx({n: clipped[n] / v for n, v in seen.items()}, rel=1e-4)
+        assert max(per.values()) < 0.5  # the optimizer got clipped gradients
+    if algorithm == "norm":
+        _, total = run.series("<clip>", "norm")
+        assert total.tolist() == before.totals  # what the clip computed, exactly
+        _, factor = run.series("<clip>", "clip_factor")
+        assert factor.tolist() == pytest.approx(
+            [min(1.0, clip_val / (n + 1e-6)) for n in before.totals], rel=1e-6)
+    else:
+        assert "<clip>" not in run.names
 
 
 def test_ewma_survives_a_checkpoint_resume(tmp_path):

@@ -49,10 +49,11 @@ def train(tmp_path, cb, model, max_steps, ds=None, resume=None, loss_kwargs=None
     oracle = Oracle(model)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
-        logging_steps=1, dataloader_num_workers=0, seed=0, lr_scheduler_type="constant", **{"save_strategy": "no", **kw})
+        report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_steps=1, dataloader_num_workers=0, seed=0, lr_scheduler_type="constant", **{"save_strategy": "no", "gradient_accumulation_steps": 2, **kw})
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ds or dataset(),
-                                   callbacks=[cb], optimizers=(oracle.opt, None))
+                                   callbacks=[] if cb is None else [cb],
+                                   optimizers=(oracle.opt, None))
     if loss_kwargs is not None:  # whether the model normalises its loss by the step's items
         trainer.model_accepts_loss_kwargs = loss_kwargs
     trainer.train(resume_from_checkpoint=resume)
@@ -86,16 +87,38 @@ def test_the_loss_of_each_step_is_the_one_the_trainer_logs(tmp_path, samples, lo
     assert values.tolist() == pytest.approx(logged, rel=1e-6)
 
 
-def test_norms_are_taken_before_gradient_clipping(tmp_path):
-    oracle, trainer = train(tmp_path, GradtapCallback(), tiny_gpt2(), max_steps=2,
-                            max_grad_norm=1e-3)
-    df = gt.open_run(tmp_path / "gradtap").frame(stats="norm")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_norms_are_taken_before_gradient_clipping(tmp_path, accumulate):
+    # The oracle of the gradient before the clip: the norm the Trainer logs (what its clip
+    # returned); of the clip: torch's factor; of the run: the same run without the callback.
+    model = tiny_gpt2()
+    oracle, trainer = train(tmp_path, GradtapCallback(), model, max_steps=3,
+                            max_grad_norm=1e-3, gradient_accumulation_steps=accumulate)
+    plain_model = tiny_gpt2()
+    plain_oracle, _ = train(tmp_path / "plain", None, plain_model, max_steps=3,
+                            max_grad_norm=1e-3, gradient_accumulation_steps=accumulate)
+    for (name, p), (_, q) in zip(model.named_parameters(), plain_model.named_parameters()):
+        assert torch.equal(p, q), name  # bit for bit as without gradtap
+    assert oracle.seen == plain_oracle.seen
+    run = gt.open_run(tmp_path / "gradtap")
+    df = run.frame(stats="norm")
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert run.steps == [0, 1, 2] and len(logged) == 3
+    steps, clip_norm = run.series("<clip>", "norm")
+    assert clip_norm.tolist() == logged  # the Trainer's own pre-clip norm, exactly
+    _, factor = run.series("<clip>", "clip_factor")
+    assert factor.tolist() == pytest.approx([min(1.0, 1e-3 / (n + 1e-6)) for n in logged],
+                                            rel=1e-6)
     for step, seen in enumerate(oracle.seen):
         clipped = math.sqrt(sum(v**2 for v in seen.values()))
         assert clipped == pytest.approx(1e-3, rel=1e-3)  # the optimizer got clipped gradients
-        total = math.sqrt((df[df.step == step].value ** 2).sum())
+        mine = df[(df.step == step) & ~df.name.str.startswith("<")]
+        total = math.sqrt((mine.value ** 2).sum())
         assert total == pytest.approx(logged[step], rel=1e-4)  # the Trainer's pre-clip norm
+        per = run.frame(stats="clip_factor")
+        per = per[(per.step == step) & (per.name != "<clip>")]
+        assert sorted(per.name) == sorted(seen) and per.value.tolist() == pytest.approx(
+            [factor[step]] * len(seen), rel=1e-12)
 
 
 def test_ewma_survives_a_checkpoint_resume(tmp_path):
@@ -171,7 +194,8 @@ def test_fp16_grad_scaler_unscaled_norms_and_an_overflow_recorded_not_skipped(tm
         report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
         lr_scheduler_type="constant", save_strategy="no", max_grad_norm=0.0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(),
-                                   callbacks=[cb], optimizers=(oracle.opt, None))
+                                   callbacks=[] if cb is None else [cb],
+                                   optimizers=(oracle.opt, None))
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     trainer.train()
     run = gt.open_run(tmp_path / "gradtap")

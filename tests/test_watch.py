@@ -116,7 +116,10 @@ def test_a_plain_script_runs_unchanged_and_every_optimizer_is_monitored(tmp_path
     watched = capfd.readouterr()
     assert code == 3
     assert watched.out == plain.stdout  # output, sitecustomize, workers, subprocesses
-    assert "gradtap watch:" not in watched.err
+    # gradtap's only words: where each run went, at the end
+    said = [line for line in watched.err.splitlines() if line.startswith("gradtap watch:")]
+    assert said == [f"gradtap watch: run stored in {out} (5 steps)",
+                    f"gradtap watch: run stored in {out / 'optimizer-1'} (3 steps)"]
 
     _assert_norms(out, _printed(plain.stdout, "model"))
     _assert_norms(out / "optimizer-1", _printed(plain.stdout, "critic"))
@@ -174,6 +177,48 @@ def test_an_uncaught_exception_keeps_its_exit_code_and_the_report_is_written(tmp
     assert run.meta["error"] == "RuntimeError: the script's own error"
     page = (out / "report.html").read_text()
     assert "RuntimeError: the script&#x27;s own error" in page and ">exit code<" in page
+
+
+NAN = """
+import sys
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+    def forward(self, x, poison=False):
+        h = self.body(x)
+        return self.head(h * float("nan") if poison else h)
+
+# The script reads its own arguments, as scripts do: the watch's own never reach it.
+assert sys.argv[1:] == ["--steps", "3"], sys.argv
+net = Net()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for step in range(int(sys.argv[2])):
+    net(torch.randn(4, 3), poison=step == 1).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_detect_says_how_many_anomalies_and_the_first_ones_module(tmp_path, capfd, monkeypatch):
+    script = tmp_path / "nan.py"
+    script.write_text(NAN)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    out = tmp_path / "run"
+    code = main(["watch", "--out", str(out), "--detect", "--stats", "norm", "--",
+                 sys.executable, str(script), "--steps", "3"])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    found = json.loads((out / "anomalies.json").read_text())["anomalies"]
+    # the NaN is made in the model's own forward, between its children's calls
+    assert found and found[0]["step"] == 1 and found[0]["module_name"] == ""
+    last = err.strip().splitlines()[-1]
+    assert last == (f"gradtap watch: run stored in {out} (3 steps); --detect found "
+                    f"{len(found)} anomal{'y' if len(found) == 1 else 'ies'}, the first at "
+                    f"step 1 in the model itself ({found[0]['kind']}); see {out / 'anomalies.json'}")
 
 
 HF = """

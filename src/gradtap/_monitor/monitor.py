@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtap import distributed
+from gradtap._monitor.clips import ClipRows
 from gradtap._monitor.ewma import GradEwma
 from gradtap._monitor.gns import GnsSource, LossReduction, SampleNorms
 from gradtap._monitor.health import HealthStats, gns_stats
@@ -37,17 +38,20 @@ from gradtap._monitor.options import (
     watched_parameters,
 )
 from gradtap._monitor.reducer import Part, StepReducer
+from gradtap._monitor.rows import RowBuilder
 from gradtap._monitor.sharded import Layouts
 from gradtap._monitor.sinks import HistorySink
 from gradtap._monitor.snapshots import Snapshots
-from gradtap._monitor.spikes import ZSCORE_BETA, ZScores
+from gradtap._monitor.spikes import ZSCORE_BETA, ZScores, late_factor_names, queue_clip_factors
 from gradtap._monitor.split import Splits, check_split
 from gradtap._monitor.step import StepPipeline
 from gradtap._monitor.trackers.queue import TrackerQueue
 from gradtap._monitor.trackers.resolve import resolve
 from gradtap._monitor.trackers.summary import Summary, check_groups
+from gradtap._tensorops import HostCopy
 from gradtap._types import Selector
 from gradtap.capture import (
+    Clip,
     HookSet,
     ScalerWatch,
     check_scaler,
@@ -248,6 +252,9 @@ class Monitor:
         self._closed = False
         self._pending: list[Part] = []
         self._local: dict[str, Tensor] = {}
+        # a computed step whose clip factors a when="step" rule has yet to apply
+        self._held: tuple[int, RowBuilder, list[str]] | None = None
+        self._after_steps = False
 
         self._hooks = HookSet()
         self._hooks.add_cleanup(sess.attach().detach)
@@ -338,19 +345,57 @@ class Monitor:
             RuntimeError: the monitor was closed.
             ValueError: the noise scale lacks ``batch_size``, or it disagrees with the step.
         """
+        self._close_step(loss, batch_size, None)
+
+    def step_clipped(self, clip: Clip, loss: Tensor | float | None = None, *,
+                     batch_size: int | Sequence[int] | None = None) -> None:
+        """Close the current step right before a gradient clip, run the clip, and store what
+        it did with the step: what ``gradtap watch`` and the framework callbacks do when the
+        script clips (``clip`` is the :class:`gradtap.capture.Clip` they are shown).
+
+        The step's statistics are those of the gradients before the clip; the step also
+        stores the clip's ``clip_factor`` per tensor and its total norm and factor on name
+        ``"<clip>"`` (see ``docs/semantics.md``). The clip runs once, even when the step
+        fails; its own error is raised as it is.
+
+        Raises:
+            RuntimeError: the monitor was closed.
+        """
+        self._close_step(loss, batch_size, clip)
+
+    def _close_step(self, loss: Tensor | float | None,
+                    batch_size: int | Sequence[int] | None, clip: Clip | None) -> None:
         if self._closed:
             raise RuntimeError("this Monitor is closed; create a new one to keep monitoring")
+        self._release_held()
         s = self._step
         try:
-            if self._active and self._pipeline.run(s, pending=self._pending, local=self._local,
-                                                   loss=loss, batch_size=batch_size) is None:
-                warnings.warn(
-                    f"Monitor.step() at step {s}: no selected tensor has a gradient (called "
-                    "before backward, or after optimizer.zero_grad()?); nothing is stored for "
-                    "this step", UserWarning, stacklevel=2)
+            rows = None
+            if self._active:
+                rows = self._pipeline.compute(s, pending=self._pending, local=self._local,
+                                              loss=loss, batch_size=batch_size)
+                if rows is None:
+                    warnings.warn(
+                        f"Monitor.step() at step {s}: no selected tensor has a gradient "
+                        "(called before backward, or after optimizer.zero_grad()?); nothing "
+                        "is stored for this step", UserWarning, stacklevel=3)
             if (s + 1) % self.every == 0:
                 self._snapshots.take(s)
+            if clip is not None:
+                extra = None if rows is None else ClipRows(clip, self._params, self._session)
+                clip.run()
+                if extra is not None and rows is not None:
+                    extra.add(rows)
+            if rows is not None:
+                late = late_factor_names(self._session, [n for n, p in self._params
+                                                         if p.grad is not None])
+                if late:  # stored with this step once the rule ran in optimizer.step()
+                    self._hold(s, rows, late)
+                else:
+                    self._pipeline.send(s, rows)
         finally:
+            if clip is not None and not clip.ran:
+                clip.run()
             self._pipeline.end_step()
             if self._pending:
                 self._pending = []
@@ -471,6 +516,7 @@ class Monitor:
         self._closed = True
         self._remove_hooks()
         try:
+            self._release_held()
             if self._ewma:
                 if not self._sharded:
                     self._sink.write_ewma(self._ewma.summaries())
@@ -490,6 +536,33 @@ class Monitor:
         where = f"store={self._store_path!r}" if self._store_path else "in memory"
         return (f"<Monitor kinds={list(self.kinds)} stats={list(self.stats)} every={self.every} "
                 f"steps={self._step} {where}{' closed' if self._closed else ''}>")
+
+    # -- a step kept for the factors of a rule that runs inside optimizer.step() --------------
+
+    def _hold(self, s: int, rows: RowBuilder, late: list[str]) -> None:
+        self._held = (s, rows, late)
+        if not self._after_steps:  # once: the held step is sent after the optimizer step
+            self._after_steps = True
+            self._hooks.any_optimizer_step_post(self._after_optimizer_step)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        held = self._held
+        if held is not None and not late_factor_names(self._session, held[2]):
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Send the held step with the factors its rules applied since (one small copy);
+        a rule that never ran (the optimizer step was skipped) stores none."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        s, rows, names = held
+        copy = HostCopy()
+        factors = queue_clip_factors(self._session, names, copy)
+        copy.run()
+        if factors is not None:
+            rows.add("param_grad", factors[0], {"clip_factor": factors[1]()})
+        self._pipeline.send(s, rows)
 
     # -- hooks (run inside backward: device work only, never a host sync) ---------------------
 

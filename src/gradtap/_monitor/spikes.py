@@ -8,7 +8,10 @@
   and a non-finite norm is scored (``inf``/NaN) but never enters the history.
 * ``clip_factor`` (stored, never asked for): at every step a spike-control transform on the
   same model ran, the factor it multiplied each selected gradient by, as the transform
-  publishes it through the model's session (topic ``"clip_factor"``).
+  publishes it through the model's session (topic ``"clip_factor"``), stored with the step
+  whose gradient it scaled: a rule that runs inside ``optimizer.step()`` (``when="step"``)
+  after the Monitor's step names its tensors under topic ``"clip_factor_pending"`` until it
+  ran, and the Monitor keeps that step's rows until then (:func:`late_factor_names`).
 
 Example:
     >>> import numpy as np
@@ -28,7 +31,7 @@ import torch
 from gradtap import _tensorops as ops
 from gradtap.capture import Session
 
-__all__ = ["DERIVED_STATS", "ZSCORE_BETA", "ZScores", "queue_clip_factors"]
+__all__ = ["DERIVED_STATS", "ZSCORE_BETA", "ZScores", "late_factor_names", "queue_clip_factors"]
 
 #: Stats the Monitor derives from others on the host (not moments of a tensor).
 DERIVED_STATS = ("zscore",)
@@ -73,9 +76,11 @@ class ZScores:
 def queue_clip_factors(session: Session, names: Sequence[str], copy: ops.HostCopy
                        ) -> tuple[list[str], Callable[[], np.ndarray]] | None:
     """Queue, on ``copy``, the factors the spike rules on ``session``'s model published for
-    ``names`` at their last run; ``None`` when no rule published any of them."""
+    ``names`` at their last run (not those still to come, :func:`late_factor_names`);
+    ``None`` when no rule published any of them."""
     factors = session.published("clip_factor")
-    picked = [n for n in names if n in factors]
+    late = session.published("clip_factor_pending")
+    picked = [n for n in names if n in factors and n not in late]
     if not picked:
         return None
     device = factors[picked[0]].device
@@ -83,3 +88,10 @@ def queue_clip_factors(session: Session, names: Sequence[str], copy: ops.HostCop
                            for n in picked])
     handle = copy.add(stacked)
     return picked, lambda: copy.get(handle)
+
+
+def late_factor_names(session: Session, names: Sequence[str]) -> list[str]:
+    """Those of ``names`` whose factor for the current gradient a rule has yet to apply
+    (it runs inside the coming ``optimizer.step()``)."""
+    late = session.published("clip_factor_pending")
+    return [n for n in names if n in late] if late else []

@@ -133,6 +133,15 @@ class StepPipeline:
 
         Returns the rows, or ``None`` (nothing computed, nothing stored) when only gradients
         are watched and no selected one arrived this step."""
+        rows = self.compute(s, pending=pending, local=local, loss=loss, batch_size=batch_size)
+        return None if rows is None else self.send(s, rows)
+
+    def compute(self, s: int, *, pending: Sequence[Part], local: dict[str, Tensor],
+                loss: Tensor | float | None, batch_size: int | Sequence[int] | None
+                ) -> RowBuilder | None:
+        """Step ``s``'s rows, computed from the gradients as they are now (gather, reduce,
+        the one host copy) but not yet sent: more blocks may join them before :meth:`send`
+        (what a clip that runs afterwards did). ``None`` as for :meth:`run`."""
         full = self._gathered_grads()
         if not full and not (self._reads_params or pending or local or self.health.gain
                              or any(p.grad is not None for _, p in self.params)):
@@ -147,10 +156,14 @@ class StepPipeline:
         queued = self._queue(s, grads, counts, full, pending, local, loss, batch_size, copy)
         self.reducer.flush(copy)  # at most two collectives for every reduced statistic
         copy.run()  # the step's one host copy
-        rows = self._rows(s, queued, copy)
+        return self._rows(s, queued, copy)
+
+    def send(self, s: int, rows: RowBuilder) -> StepRows:
+        """Finish step ``s``'s rows and hand them to every sink, in order."""
+        out = rows.finish(s)
         for sink in self.sinks:
-            sink.write(s, rows)
-        return rows
+            sink.write(s, out)
+        return out
 
     def end_step(self) -> None:
         """Forget what the step queued (called after every step, computed or not)."""
@@ -250,7 +263,7 @@ class StepPipeline:
 
     # -- rows --------------------------------------------------------------------------------
 
-    def _rows(self, s: int, q: _Queued, copy: ops.HostCopy) -> StepRows:
+    def _rows(self, s: int, q: _Queued, copy: ops.HostCopy) -> RowBuilder:
         red = self.reducer
         rows = RowBuilder(self.series)
         for job in q.jobs:
@@ -276,7 +289,7 @@ class StepPipeline:
                                                    "nonfinite": q.amp[1]().reshape(1)})
         if q.health is not None:
             q.health(rows)
-        return rows.finish(s)
+        return rows
 
 
 class _Queued:

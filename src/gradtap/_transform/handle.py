@@ -78,9 +78,34 @@ class TransformHandle:
             if self.on == "param_grad":  # a Monitor on the model stores them (clip_factor)
                 self._hooks.add_cleanup(sess.publish(
                     "clip_factor", lambda: {clean_name(n): f for n, f in self.last_factors.items()}))
+                if self.when == "step":
+                    self._publish_pending(sess, optimizer)
         except BaseException:
             self.remove()
             raise
+
+    def _publish_pending(self, sess: Any, optimizer: torch.optim.Optimizer | None) -> None:
+        """when="step": the rules run inside ``optimizer.step()``, after a Monitor step taken
+        before it. From the end of a backward that reached a ruled parameter to the optimizer
+        step, the factors of the current gradients are still to come: published as topic
+        ``"clip_factor_pending"`` (the names), so the Monitor stores them with their own
+        step once the optimizer step ran."""
+        assert optimizer is not None
+        pending = [False]
+        params: list[Tensor] = [t.param for t in self._plan.params.values()]
+
+        def backward_reached(reached: list[int]) -> None:
+            pending[0] = True
+
+        def ran(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            pending[0] = False  # after the rules' own pre-hook, registered before this one
+
+        self._hooks.after_accumulation([params], backward_reached)
+        self._hooks.optimizer_step_pre(optimizer, ran)
+        self._hooks.add_cleanup(sess.publish(
+            "clip_factor_pending",
+            lambda: {clean_name(n): f for n, f in self.last_factors.items()} if pending[0]
+            else {}))
 
     def plan(self) -> dict[str, str]:
         """Return which rule applies where: ``{name: rule pattern}``.

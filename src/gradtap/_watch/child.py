@@ -6,7 +6,9 @@ done until an optimizer steps: at its first ``step()`` (or ``scaler.step(optimiz
 optimizer's parameters are named by the modules that own them and its Monitor (and, with
 ``detect``, a detector that records and never skips) is made; from then on the Monitor closes
 one step right before each of the optimizer's steps, so its statistics are those of the
-gradients the optimizer receives. Under a ``torch.amp.GradScaler`` the Monitor is given the
+gradients the optimizer receives; right before the script's first gradient clip of the step
+instead when it clips (the gradients before the clip, and what the clip did), and, for a
+``step(closure)``, when the closure first returns (its backward ran inside ``step()``). Under a ``torch.amp.GradScaler`` the Monitor is given the
 scaler (unscaled statistics, fused optimizers included), and a step the scaler skips (no
 ``optimizer.step()``) is still one Monitor step, stored as an overflow.
 
@@ -33,7 +35,7 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._monitor.trackers.resolve import from_spec
-from gradtap.capture import HookSet, ScalerWatch
+from gradtap.capture import Clip, HookSet, ScalerWatch
 from gradtap.report.data import write_anomalies
 from gradtap.select import select_parameters, unwrap_model
 from gradtap.store import set_run_meta
@@ -78,9 +80,13 @@ class _Watched:
         self.path = path
         self.amp = amp
         self.stepped = False  # optimizer.step() ran inside the current scaler.step()
+        self.clipped = False  # this optimizer step's Monitor step was taken before a clip
 
-    def step(self) -> None:
-        self.monitor.step(batch_size=self.batch_size)
+    def step(self, clip: Clip | None = None) -> None:
+        if clip is None:
+            self.monitor.step(batch_size=self.batch_size)
+        else:
+            self.monitor.step_clipped(clip, batch_size=self.batch_size)
         if self.detector is not None:
             self.detector.step()
 
@@ -117,17 +123,82 @@ class _Watcher:
         self.hooks = HookSet()
         self.hooks.any_optimizer_step_pre(self._before_step)
         self.hooks.around_any_grad_scaler_step(self._before_scaler_step, self._after_scaler_step)
+        self.hooks.around_any_clip(self._around_clip, self._give_up_on)
+        self._unowned: set[frozenset[int]] = set()  # clipped tensors no optimizer holds
         atexit.register(self.close)
 
     # Without a grad scaler, one Monitor step right before each optimizer.step(). Through
     # scaler.step(optimizer), the same, and after a scaler.step() that skipped the optimizer
     # (inf/NaN: optimizer.step() never ran) one Monitor step there, stored as an overflow.
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # A script that clips (clip_grad_norm_, clip_grad_value_): the Monitor step is taken right
+    # before the first clip of an optimizer's step, over the gradients before it, with what
+    # the clip did; that optimizer's step() then takes none.
+
+    # An optimizer stepped with a closure (Lightning's, LBFGS) computes its gradients inside
+    # step(): the closure is wrapped, and the Monitor step taken when it first returns (or
+    # before the clip it makes).
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                     kwargs: Any) -> tuple[Any, Any] | None:
         watched = self._get(optimizer, None)
-        if watched is not None:
-            watched.stepped = True
+        if watched is None:
+            return None
+        watched.stepped = True
+        if watched.clipped:
+            watched.clipped = False
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
             self._guarded(watched.step)
+            return None
+        first = [True]
+
+        def closure_then_step() -> Any:
+            out = closure()
+            if first[0]:
+                first[0] = False
+                if watched.clipped:
+                    watched.clipped = False
+                else:
+                    self._guarded(watched.step)
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_step}
+        return (closure_then_step, *args[1:]), kwargs
+
+    def _around_clip(self, clip: Clip) -> None:
+        watched = None if self.failed else self._clipped_optimizer(clip.parameters)
+        if watched is None or watched.clipped:
+            clip.run()
+            return
+        watched.clipped = True
+        watched.step(clip)  # runs the clip; an error of the watch reaches _give_up_on
+
+    def _clipped_optimizer(self, params: list[torch.Tensor]) -> _Watched | None:
+        """The watch of the optimizer holding the clipped tensors (started here when the
+        clip comes before its first step: found among the live optimizers)."""
+        if os.getpid() != self.pid or not params:
+            return None
+        ids = frozenset(id(p) for p in params)
+        for optimizer, watched in list(self.watched.items()):
+            if watched is not None and _holds(optimizer, ids):
+                return watched
+        if ids in self._unowned:
+            return None
+        live = gc.get_objects()  # by type: isinstance() would touch lazy module proxies
+        optimizers = [o for o in live if issubclass(type(o), torch.optim.Optimizer)
+                      and o not in self.watched and _holds(o, ids)]
+        scalers = [o for o in live
+                   if issubclass(type(o), torch.amp.GradScaler) and o.is_enabled()]
+        del live
+        for optimizer in optimizers:
+            watched = self._get(optimizer, scalers[0] if len(scalers) == 1 else None)
+            if watched is not None:
+                return watched
+        self._unowned.add(ids)
+        return None
 
     def _before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
         if isinstance(optimizer, torch.optim.Optimizer) and scaler.is_enabled():
@@ -138,10 +209,10 @@ class _Watcher:
     def _after_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
         if isinstance(optimizer, torch.optim.Optimizer) and scaler.is_enabled():
             watched = self._get(optimizer, scaler)
-            if watched is not None and not watched.stepped:
+            if watched is not None and not watched.stepped and not watched.clipped:
                 self._guarded(watched.step)
             if watched is not None:
-                watched.stepped = False
+                watched.stepped = watched.clipped = False
 
     def _get(self, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None) -> _Watched | None:
@@ -231,6 +302,9 @@ class _Watcher:
         self.open.append(watched)
         return watched
 
+    def _give_up_on(self, exc: BaseException) -> None:
+        self._give_up(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+
     def _give_up(self, exc: Exception) -> None:
         self.failed = True
         self._say(f"stopped watching ({type(exc).__name__}: {exc}); the script goes on")
@@ -255,6 +329,10 @@ class _Watcher:
                     set_run_meta(watched.path, error=f"{type(error).__name__}: {error}"[:500])
             except Exception as exc:
                 self._say(f"could not close the run in {watched.path} ({exc})")
+
+
+def _holds(optimizer: torch.optim.Optimizer, ids: frozenset[int]) -> bool:
+    return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
 
 class _Names(list):

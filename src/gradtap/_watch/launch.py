@@ -19,7 +19,7 @@ from typing import Any
 from gradtap._watch import site
 from gradtap.store import DB_NAME, open_run, set_run_meta
 
-__all__ = ["WatchOptions", "run_watched", "run_dirs"]
+__all__ = ["WatchOptions", "run_watched", "run_dirs", "summary"]
 
 
 @dataclass
@@ -45,6 +45,41 @@ def run_dirs(out: str | os.PathLike[str]) -> list[Path]:
     found = [root] if (root / DB_NAME).exists() else []
     extra = [p for p in root.glob("optimizer-*") if (p / DB_NAME).exists()]
     return found + sorted(extra, key=lambda p: int(p.name.rsplit("-", 1)[1]))
+
+
+def summary(run_dir: Path, detect: bool) -> str:
+    """What ``gradtap watch`` says of one run it wrote, at the end: where it went, its steps
+    and, with ``--detect``, how many anomalies it found and the first one's module.
+
+    Example:
+        >>> import tempfile, torch, gradtap as gt
+        >>> d = Path(tempfile.mkdtemp()) / "run"
+        >>> with gt.Monitor(torch.nn.Linear(2, 1), store=d):
+        ...     pass
+        >>> summary(d, detect=True).replace(str(d), "DIR")
+        'run stored in DIR (0 steps); --detect found no anomaly'
+    """
+    from gradtap.report.data import read_anomalies
+
+    try:
+        steps = len(open_run(run_dir).steps)
+        text = f"run stored in {run_dir} ({steps} step{'' if steps == 1 else 's'})"
+    except Exception as exc:  # cut short: still say where it is
+        return f"run stored in {run_dir} (unreadable: {exc})"
+    if not detect:
+        return text
+    try:
+        found, _ = read_anomalies(run_dir)
+    except Exception as exc:
+        return f"{text}; --detect's anomalies are unreadable ({exc})"
+    if not found:
+        return f"{text}; --detect found no anomaly"
+    first = found[0]
+    module = first.get("module_name")
+    where = "the model itself" if module == "" else repr(module)
+    return (f"{text}; --detect found {len(found)} anomal{'y' if len(found) == 1 else 'ies'}, "
+            f"the first at step {first.get('step')} in {where} ({first.get('kind')}); "
+            f"see {run_dir / 'anomalies.json'}")
 
 
 def run_watched(command: Sequence[str], options: WatchOptions) -> int:
@@ -111,6 +146,7 @@ def _finish(options: WatchOptions, code: int) -> None:
             set_run_meta(d, **ended)
         except Exception as exc:
             print(f"gradtap watch: cannot record the exit code in {d} ({exc})", file=sys.stderr)
+        print(f"gradtap watch: {summary(d, options.detect)}", file=sys.stderr)
     if not options.report:
         return
     from gradtap.report import write_report

@@ -21,6 +21,8 @@ they use these names:
   :data:`AUTOCAST_DEVICES`), :class:`RngState`, :func:`buffers_restored`;
 * :mod:`~gradtap.capture.saved`: :func:`graph_nodes` and :func:`saved_tensors`, to read
   forward tensors back from the graph for a report;
+* :class:`Clip` (``HookSet.around_any_clip``): a script's ``clip_grad_norm_`` /
+  ``clip_grad_value_`` seen around its call, the gradients before it (``clipping.py``);
 * :class:`ScalerWatch` (``HookSet.grad_scaler``): the factor a ``GradScaler`` left on each
   gradient of this step, and whether it found an inf/NaN (``amp.py``);
 * :func:`compiled_feature`: which feature a tap on a compiled model serves, for the one
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 from gradtap.capture.amp import ScalerWatch, check_scaler, unscale
 from gradtap.capture.boundary import mark_boundary
+from gradtap.capture.clipping import Clip
 from gradtap.capture.compiled import compiled_feature, compiled_parts, run_eagerly
 from gradtap.capture.engine import OncePerBackward, at_end_of_backward, current_backward
 from gradtap.capture.graph import made_since, sequence_mark
@@ -59,6 +62,7 @@ from gradtap.capture.taps import Tap, tap
 __all__ = [
     "AUTOCAST_DEVICES",
     "AutocastState",
+    "Clip",
     "Distributed",
     "HookSet",
     "Listener",

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradtap.capture import compat
 from gradtap.capture.amp import ScalerWatch, around_any_scaler_step
+from gradtap.capture.clipping import Clip, around_any_clip
 from gradtap.capture.compiled import around_compiled_call, compiled_in_place
 from gradtap.capture.engine import at_end_of_backward, current_node, graph_task_id
 from gradtap.capture.modhooks import Subscription, subscribe
@@ -122,17 +123,30 @@ class HookSet:
 
         self._handles.append(optimizer.register_step_pre_hook(hook))
 
-    def any_optimizer_step_pre(self, fn: Callable[..., None]) -> None:
+    def any_optimizer_step_pre(self, fn: Callable[..., Any]) -> None:
         """Run ``fn(optimizer, args, kwargs)`` right before the ``step()`` of every
         ``torch.optim.Optimizer`` of the process, made before or after this call (torch's
-        global optimizer pre-hook)."""
+        global optimizer pre-hook). ``fn`` may return new ``(args, kwargs)`` for the step (a
+        wrapped ``closure``), as torch's pre-hooks may; ``None`` keeps them."""
         from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+            if self._live():
+                return fn(opt, args, kwargs)
+            return None
+
+        self._handles.append(register_optimizer_step_pre_hook(hook))
+
+    def any_optimizer_step_post(self, fn: Callable[..., None]) -> None:
+        """Run ``fn(optimizer, args, kwargs)`` right after the ``step()`` of every
+        ``torch.optim.Optimizer`` of the process (torch's global optimizer post-hook)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if self._live():
                 fn(opt, args, kwargs)
 
-        self._handles.append(register_optimizer_step_pre_hook(hook))
+        self._handles.append(register_optimizer_step_post_hook(hook))
 
     def module_calls(self, module: nn.Module, before: Callable[[tuple, dict], None] | None,
                      after: Callable[[Any], None], *, always: bool = False) -> None:
@@ -208,6 +222,13 @@ class HookSet:
         skips, on which ``optimizer.step()`` never runs); see
         :func:`gradtap.capture.amp.around_any_scaler_step`."""
         self._cleanups.append(around_any_scaler_step(before, after, self._live))
+
+    def around_any_clip(self, around: Callable[[Clip], None],
+                        on_error: Callable[[BaseException], None]) -> None:
+        """Call ``around(clip)`` in place of every gradient clip of the process
+        (``torch.nn.utils.clip_grad_norm_`` and the others); ``clip.run()`` runs the real one,
+        which runs once whatever ``around`` does; see :mod:`gradtap.capture.clipping`."""
+        self._cleanups.append(around_any_clip(around, self._live, on_error))
 
     def add(self, handle: RemovableHandle | Subscription) -> None:
         """Adopt a handle registered elsewhere in capture."""

@@ -18,7 +18,7 @@ from torch import nn
 from gradtap._detect._detector import Detector, detect
 from gradtap._monitor.monitor import Monitor
 from gradtap._types import Selector
-from gradtap.capture import HookSet, ScalerWatch
+from gradtap.capture import Clip, HookSet, ScalerWatch
 from gradtap.report.data import write_anomalies
 from gradtap.select import unwrap_model
 from gradtap.store import DB_NAME
@@ -74,6 +74,9 @@ class CallbackCore:
         self._loss: torch.Tensor | None = None
         self._loss_hooks: HookSet | None = None
         self._loss_scale: ScalerWatch | None = None
+        self._clips: HookSet | None = None
+        self._model_ids: set[int] = set()
+        self._awaiting = False  # the step is to be taken before the trainer's clip
         # Checked now, not at the first training step: a bad option fails where it is written
         # (on a stand-in model with one submodule, as every kind can watch it).
         Monitor(nn.Sequential(nn.Linear(1, 1)), "*", stats=self.stats, kinds=self.kinds,
@@ -117,6 +120,10 @@ class CallbackCore:
             self.monitor._trackers.for_trainer(on_demand=log_every is None)
         if state is not None:
             self.monitor.load_state_dict(state)
+        self._model_ids = {id(p) for p in model.parameters()}
+        self._awaiting = False
+        self._clips = HookSet()
+        self._clips.around_any_clip(self._around_clip, _reraise)
         if self.detect:
             self.detector = detect(model, action="record", scaler=scaler,
                                    samples=self.detect == "samples")
@@ -149,10 +156,45 @@ class CallbackCore:
         if self.monitor is not None and self.monitor._trackers is not None:
             self.monitor._trackers.drain()
 
-    def optimizer_step(self) -> bool:
-        """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`."""
-        self.monitor_step()
-        return self.verdict()
+    def optimizer_step(self, clips: bool = False) -> bool:
+        """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`.
+
+        ``clips``: the trainer clips the gradients next; unless the step is skipped, the
+        Monitor step is then taken right before the clip (:meth:`expect_clip`)."""
+        if not clips:
+            self.monitor_step()
+            return self.verdict()
+        assert self.monitor is not None
+        self._last_step = self.monitor.steps_done
+        skip = self.verdict()
+        if skip:
+            self.monitor_step()  # before the caller drops the gradients: nothing to clip
+        else:
+            self.expect_clip()
+        return skip
+
+    # The trainer's gradient clip (Lightning's gradient_clip_val, the Hugging Face Trainer's
+    # max_grad_norm through Accelerate): the step is taken right before it, over the gradients
+    # before the clip, and stores what the clip did.
+
+    def expect_clip(self) -> None:
+        """The gradients of this optimizer step are complete and the trainer clips next: the
+        Monitor step is taken at the clip (or at :meth:`settle`, if none comes)."""
+        self._awaiting = True
+
+    def settle(self) -> None:
+        """Take the step :meth:`expect_clip` left open when no clip came."""
+        if self._awaiting:
+            self._awaiting = False
+            self.monitor_step()
+
+    def _around_clip(self, clip: Clip) -> None:
+        if not self._awaiting or self.monitor is None or not any(
+                id(p) in self._model_ids for p in clip.parameters):
+            clip.run()
+            return
+        self._awaiting = False
+        self.monitor_step(clip)
 
     def add_loss(self, loss: torch.Tensor, *, scaled: bool = False) -> None:
         """Add one backward's share of the step's loss (as the trainer sums them); ``scaled``:
@@ -165,13 +207,16 @@ class CallbackCore:
                 value = value / scale.to(value.device, torch.float64)
         self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
-    def monitor_step(self) -> None:
+    def monitor_step(self, clip: Clip | None = None) -> None:
         """Close one Monitor step (the gradients of this optimizer step are complete), with the
-        loss added since the last one."""
+        loss added since the last one; right before ``clip`` (run by the Monitor) if given."""
         assert self.monitor is not None
         self._last_step = self.monitor.steps_done
         loss, self._loss = self._loss, None
-        self.monitor.step(loss=loss)
+        if clip is None:
+            self.monitor.step(loss=loss)
+        else:
+            self.monitor.step_clipped(clip, loss=loss)
 
     def verdict(self) -> bool:
         """Whether the detector found an anomaly since the last optimizer step, or the
@@ -228,6 +273,8 @@ class CallbackCore:
 
     def stop(self, status: str) -> None:
         """Close the Monitor, keeping its state for a checkpoint written afterwards."""
+        if status == "finished" and self.monitor is not None:
+            self.settle()
         if self.monitor is not None:
             self._pending_state = self.monitor.state_dict()
         if self.detector is not None:
@@ -237,12 +284,20 @@ class CallbackCore:
             run = None if self.monitor is None else self.monitor.run  # rank 0's store
             if run is not None:  # beside the statistics, for the report
                 write_anomalies(run.path, self._anomalies, source=ANOMALY_SOURCE)
+        if self._clips is not None:
+            self._clips.remove()
+            self._clips = None
+            self._awaiting = False
         if self._loss_hooks is not None:
             self._loss_hooks.remove()
             self._loss_hooks = self._loss_scale = None
         if self.monitor is not None:
             self.monitor.close(status)
             self.monitor = None
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 class CallbackViews:

@@ -1,9 +1,10 @@
 """``GradtapCallback`` for Lightning (``pip install gradtap[lightning]``).
 
-One Monitor step per optimizer step, in ``on_before_optimizer_step``: after the last
-micro-batch of a gradient accumulation and before gradient clipping, so the statistics are
-those of the gradients the optimizer is about to apply, unclipped (and, under mixed
-precision, unscaled: the Monitor is given the trainer's ``GradScaler``).
+One Monitor step per optimizer step, after the last micro-batch of a gradient accumulation
+and before gradient clipping: in ``on_before_optimizer_step``, or, when the trainer clips
+(``gradient_clip_val``), right before its clip, which the step then stores too. The
+statistics are those of the gradients before the clip (and, under mixed precision,
+unscaled: the Monitor is given the trainer's ``GradScaler``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from gradtap.integrations._callback import TRAINER, CallbackCore, CallbackViews
 __all__ = ["GradtapCallback"]
 
 
+def _clips(trainer: Trainer, module: LightningModule) -> bool:
+    """Whether Lightning clips next (``gradient_clip_val`` > 0, its own clipping)."""
+    value = trainer.gradient_clip_val
+    own = type(module).configure_gradient_clipping is LightningModule.configure_gradient_clipping
+    return own and module.automatic_optimization and value is not None and value > 0
+
+
 class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     """Monitor a Lightning model's gradients: one Monitor step per optimizer step.
 
@@ -37,8 +45,10 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     reads: ``store``, or by default a ``gradtap`` folder in ``trainer.log_dir`` (the
     logger's version folder; ``default_root_dir`` without a logger).
 
-    Statistics are taken in ``on_before_optimizer_step``: once per optimizer step after
-    gradient accumulation and before ``gradient_clip_val`` clips. The step's loss is stored as
+    Statistics are taken once per optimizer step after gradient accumulation and before
+    ``gradient_clip_val`` clips (in ``on_before_optimizer_step``, or right before the clip);
+    when Lightning clips, the step also stores the clip's total norm and factor (name
+    ``"<clip>"``, stats ``norm`` and ``clip_factor``; ``clip_factor`` per tensor). The step's loss is stored as
     name ``"<loss>"``, stat ``value``: the sum of what Lightning backpropagated in the step
     (each ``training_step`` loss divided by ``accumulate_grad_batches``, unscaled), so the mean
     over the micro-batches of a full accumulation. Under
@@ -118,10 +128,15 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
                                  optimizer: Any) -> None:
         if not self._core.started:
             return
-        if self._core.optimizer_step():
+        if self._core.optimizer_step(clips=_clips(trainer, pl_module)):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self._core.started:
+            self._core.settle()  # a clip was expected and none came
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._core.stop("finished")

@@ -1,10 +1,13 @@
 """``GradtapCallback`` for the Hugging Face ``Trainer`` (``pip install gradtap[transformers]``).
 
 The Trainer clips gradients before its ``on_pre_optimizer_step`` event, so a callback that
-reads gradients there sees clipped ones. This callback takes its Monitor step earlier: at the
-end of the backward of the last micro-batch of each optimizer step (the one on which
-Accelerate syncs gradients), through :class:`gradtap.capture.HookSet`. Its statistics are of
-the accumulated gradients **before clipping** (``max_grad_norm``).
+reads gradients there sees clipped ones. This callback takes its Monitor step earlier: once
+the backward of the last micro-batch of each optimizer step (the one on which Accelerate
+syncs gradients) has ended, right before the Trainer's clip (``Accelerator.clip_grad_norm_``,
+which the Trainer calls every step: with ``max_norm=inf`` when ``max_grad_norm`` is 0), through
+:class:`gradtap.capture.HookSet`. Its statistics are of the accumulated gradients **before
+clipping**, and the step stores the clip's total norm (the Trainer's logged ``grad_norm``)
+and factor.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     a ``gradtap`` folder in ``args.output_dir``.
 
     Statistics are of the gradients of each optimizer step after gradient accumulation and
-    **before clipping**: the step is closed at the end of the backward of the step's last
-    micro-batch (if that point is not seen, in ``on_pre_optimizer_step``, after clipping).
+    **before clipping**: the step is closed right before the Trainer's clip, after the
+    backward of the step's last micro-batch (if that point is not seen, in
+    ``on_pre_optimizer_step``, after clipping), and stores the clip's total norm (the
+    ``grad_norm`` the Trainer logs) and factor: name ``"<clip>"``, stats ``norm`` and
+    ``clip_factor``, and ``clip_factor`` per tensor.
     The step's loss is stored as name ``"<loss>"``, stat ``value``: the loss the model returns
     (``outputs.loss``, what ``Trainer.compute_loss`` uses), averaged over the step's
     micro-batches as the Trainer does (summed when the model normalised it by the step's
@@ -156,7 +162,7 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     def _end_of_backward(self, reached: list[int]) -> None:
         if self._sync is not None and self._sync.sync_gradients and not self._stepped:
             self._step_loss()
-            self._core.monitor_step()
+            self._core.expect_clip()  # taken at the Trainer's clip, right before it
             self._stepped = True
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -166,6 +172,8 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
         if not self._stepped:  # the end of the last backward was not seen: after clipping
             self._step_loss()
             self._core.monitor_step()
+        else:
+            self._core.settle()  # no clip came: the gradients are still unclipped
         self._stepped = False
         if self._core.verdict() and optimizer is not None:
             for group in optimizer.param_groups:

@@ -37,6 +37,9 @@ __all__ = [
 
 ANOMALIES_FILE = "anomalies.json"
 METRICS_FILE = "metrics.json"
+#: The row of a script's own gradient clip (its total norm and factor), no tensor.
+CLIP_ROW = "<clip>"
+
 _ANOMALY_FIELDS = ("step", "module_name", "kind", "where", "message")
 
 
@@ -336,9 +339,11 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
             if kind not in kinds:
                 continue
             known = reader.names("norm", kind)
-            # split= slices have a panel of their own (the experts' heatmaps)
+            # split= slices have a panel of their own (the experts' heatmaps); "<clip>" (the
+            # script's clip, its total norm) is no tensor
             kind_names = _order([n for n in (names if known is None else known)
-                                 if not is_slice(n) and reader.has(n, "norm", kind)], meta, kind)
+                                 if not is_slice(n) and n != CLIP_ROW
+                                 and reader.has(n, "norm", kind)], meta, kind)
             layers, heat, bad = scan_kind(
                 reader.get, kind_names, kind, steps, shapes,
                 lambda n: reader.get(n, "ratio", "update") if "update" in kinds else None)

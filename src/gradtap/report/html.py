@@ -169,11 +169,11 @@ def _norms(data: ReportData) -> str:
             marks.append("the spikes the detector reported")
         if kind == "param_grad" and (data.spikes or data.clipped):
             marks.append("the steps Run.spikes() flags (with the first layer to spike) "
-                         "and those a spike rule clipped")
+                         "and those clipped (by a spike rule or the script's own clip)")
             spikes += [(float(e["step"]), f"step {e['step']}: {e['name']} spiked first "
                         f"(score {e['z']:.1f}; {e['count']} tensor(s) spiking)")
                        for e in tables.largest_spikes(data)]
-            spikes += [(float(step), f"step {step}: a spike rule clipped (smallest factor "
+            spikes += [(float(step), f"step {step}: clipped (smallest factor "
                         f"{factor:.3g})")
                        for step, factor in list(data.clipped.items())[:tables.MAX_EVENTS]]
         chart = svg.line_chart(lines, plot_id=pid, title=f"L2 norm of {label} per step",
