@@ -6,6 +6,7 @@ from gradtap._explain import Explanation, explain
 from gradtap._monitor import Monitor
 from gradtap._monitor.run_spikes import Spike
 from gradtap._per_sample import PerSample, per_sample
+from gradtap._privacy import poisson_batches
 from gradtap._transform import (
     Transform,
     TransformHandle,
@@ -82,6 +83,7 @@ __all__ = [
     "normalize",
     "open_run",
     "per_sample",
+    "poisson_batches",
     "scale",
     "select_modules",
     "select_parameters",
