@@ -8,6 +8,7 @@ the chi-square distribution); the seed is fixed, so the test itself is determini
 from __future__ import annotations
 
 import math
+import pickle
 from collections import namedtuple
 
 import numpy as np
@@ -139,6 +140,10 @@ def test_an_empty_batch_keeps_every_field_with_zero_rows():
     assert full["label"].tolist() == [1, 4] and full["name"] == ["n1", "n4"]
     own = batches.collate(data, collate_fn=lambda items: [d["label"] for d in items])
     assert own([data[2]]) == [2] and own([]) == []
+    # a DataLoader's worker processes get the collate_fn pickled
+    tensors = TensorDataset(torch.arange(6.0))
+    copy = pickle.loads(pickle.dumps(gt.poisson_batches(6, 0.5).collate(tensors)))
+    assert copy([])[0].shape == (0,) and copy([tensors[2]])[0].tolist() == [2.0]
 
 
 def test_bad_arguments_are_named():

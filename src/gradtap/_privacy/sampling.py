@@ -73,23 +73,31 @@ class PoissonBatches:
         tensor cut to zero rows (and every list or tuple of non-tensors emptied), so the
         training step sees a batch of size 0 of the right shapes and dtypes.
         """
-        inner = collate_fn if collate_fn is not None else torch.utils.data.default_collate
-        if self.n and len(dataset) != self.n:
+        if len(dataset) != self.n:
             raise ValueError(f"the dataset has {len(dataset)} examples but the batches are "
                              f"drawn over n={self.n}")
-
-        def collate_with_empty(batch: list[Any]) -> Any:
-            if batch:
-                return inner(batch)
-            if not len(dataset):
-                raise ValueError("an empty batch of an empty dataset has no shapes to take: "
-                                 "collate it with a collate_fn of your own")
-            return _empty_like(inner([dataset[0]]))
-
-        return collate_with_empty
+        return _CollateWithEmpty(dataset, collate_fn)
 
     def __repr__(self) -> str:
         return f"PoissonBatches(n={self.n}, sample_rate={self.sample_rate}, steps={self.steps})"
+
+
+class _CollateWithEmpty:
+    """:meth:`PoissonBatches.collate`'s function: a class, so that it pickles (to the
+    ``DataLoader``'s worker processes) whenever the dataset and ``collate_fn`` do."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: list[Any]) -> Any:
+        inner = self.collate_fn or torch.utils.data.default_collate
+        if batch:
+            return inner(batch)
+        if not len(self.dataset):
+            raise ValueError("an empty batch of an empty dataset has no shapes to take: "
+                             "collate it with a collate_fn of your own")
+        return _empty_like(inner([self.dataset[0]]))
 
 
 def _empty_like(value: Any) -> Any:
