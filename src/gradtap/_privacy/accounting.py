@@ -13,13 +13,14 @@ under its default settings and add-or-remove-one neighbouring datasets:
 - ``"rdp"``: ``dp_accounting.rdp.RdpAccountant`` (Renyi DP at the package's default orders,
   converted to (epsilon, delta); an upper bound, looser than the others);
 - ``"pld"``: ``dp_accounting.pld.PLDAccountant`` (the privacy loss distribution, discretised
-  at interval 1e-4 and composed by FFT; a pessimistic estimate, tight to about 1e-3);
+  at interval 1e-4 and composed by FFT; its pessimistic estimate);
 - ``"prv"`` (the default): the privacy loss random variable accountant. The PRV accountant of
   Gopi, Lee and Wutschitz (2021), which Opacus implements, composes the distribution of the
   privacy loss random variable numerically; that distribution is the one ``"pld"`` composes,
   so ``"prv"`` computes with the same ``PLDAccountant`` and gives the same numbers as
-  ``"pld"``, with ``dp-accounting`` alone. On Opacus's published example (noise 1.5, rate
-  0.04, 2250 steps, delta 1e-5) it gives 6.769 where Opacus's own PRV accountant gives 6.779.
+  ``"pld"``, with ``dp-accounting`` alone. On the example Opacus publishes figures for
+  (noise 1.5, rate 0.04, 2250 steps, delta 1e-5) it gives 6.769; Opacus publishes 6.777, and
+  its PRV accountant computes 6.779.
 """
 
 from __future__ import annotations
