@@ -362,7 +362,7 @@ def run_model(model_name: str, quick: bool, memory_too: bool = True) -> str:
 
 def conv_methods(quick: bool) -> str:
     """Time the conv rule's two weight-gradient formulations over typical layer shapes."""
-    from gradtap._per_sample.rules.conv import _problem, grad_conv
+    from gradtap._samples.rules.conv import _problem, grad_conv
     from gradtap.functional._weight_grad import choose_method
 
     shapes = [  # (type, in, out, kernel, stride, spatial, groups, batch)

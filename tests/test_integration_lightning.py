@@ -225,3 +225,39 @@ def test_the_callback_watches_output_gradients_too(tmp_path):
     trainer(tmp_path, cb, max_steps=2, enable_checkpointing=False).fit(Tiny(), data())
     run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
     assert set(run.frame().kind) == {"param_grad", "grad_output"} and run.steps == [0, 1]
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Rows as dicts with their dataset index under ``"sample_ids"``; row 9 holds a NaN."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(16, 4, generator=g)
+        self.x[9, 2] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "sample_ids": i}
+
+
+class FromDicts(Tiny):
+    def training_step(self, batch, batch_idx):
+        return (self(batch["x"]) - batch["y"]).pow(2).mean()
+
+
+def test_detect_samples_names_the_dataset_rows_behind_an_anomaly(tmp_path):
+    model = FromDicts()
+    cb = GradtapCallback(detect="samples")
+    t = pl.Trainer(max_steps=4, callbacks=[cb], default_root_dir=tmp_path, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu")
+    t.fit(model, torch.utils.data.DataLoader(Indexed(), batch_size=4))
+    assert cb.skipped == [2]  # rows 8..11
+    (a,) = cb.anomalies
+    assert (a.where, a.step, a.samples, a.sample_ids) == ("forward", 2, (1,), (9,))
+    from gradtap.report import read_anomalies
+
+    saved, _ = read_anomalies(tmp_path / "gradtap")
+    assert [(s["samples"], s["sample_ids"]) for s in saved] == [([1], [9])]

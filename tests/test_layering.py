@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, float, str]] = [
     ("_explain", 3, "explain"), ("curvature", 3, "curvature"),
     ("_monitor", 3, "monitor"), ("store", 3, "monitor"),
     ("export", 3, "monitor"), ("distributed", 3, "monitor"),
+    ("_samples", 2.75, "samples"),
     ("_transform", 3, "transform"), ("_per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
     ("_privacy", 3, "privacy"),
     ("rules", 4, "rules"), ("integrations", 4.5, "integrations"),

@@ -1,7 +1,7 @@
 """Per-sample gradients against torch.func (vmap(grad(functional_call))) in float64.
 
 Rule tests draw modules and options with hypothesis for every type registered in
-``_per_sample.rule.PER_SAMPLE`` (the cases come from the registry, so a new rule without a case
+``_samples.rule.PER_SAMPLE`` (the cases come from the registry, so a new rule without a case
 fails ``test_every_registered_type_has_a_case``). End-to-end tests compare ``gt.per_sample``
 on whole models with the per-sample gradients of each sample's own loss term.
 """
@@ -30,10 +30,10 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.utils import parametrizations, parametrize
 
 import gradtap as gt
-from gradtap._per_sample import rule, rules
-from gradtap._per_sample.rule import PER_SAMPLE, PerSampleRule
-from gradtap._per_sample.rules.conv import grad_conv, norm_conv
-from gradtap._per_sample.rules.linear import norm_linear
+from gradtap._samples import rule, rules
+from gradtap._samples.rule import PER_SAMPLE, PerSampleRule
+from gradtap._samples.rules.conv import grad_conv, norm_conv
+from gradtap._samples.rules.linear import norm_linear
 from gradtap.errors import GradtapError, SelectionError, UnsupportedModuleError
 from tests._models import assert_no_hooks
 
@@ -221,7 +221,7 @@ def test_every_rule_file_is_registered_and_every_registered_type_has_a_case() ->
     registered = {id(entry) for _, entry in PER_SAMPLE.items()}
     builtin: set[int] = set()
     for stem in sorted(files):
-        module = importlib.import_module(f"gradtap._per_sample.rules.{stem}")
+        module = importlib.import_module(f"gradtap._samples.rules.{stem}")
         entries = [v for v in vars(module).values() if isinstance(v, PerSampleRule)]
         assert entries, f"rules/{stem}.py defines no PerSampleRule"
         assert all(id(e) in registered for e in entries), f"rules/{stem}.py: an entry is not registered"

@@ -386,8 +386,8 @@ def test_sketched_check_catches_a_small_use_outside_the_calls() -> None:
 
 def test_check_catches_a_wrong_split_and_replays() -> None:
     """A rule whose per-sample gradients do not add up to .grad is caught and replaced."""
-    from gradtap._per_sample.rule import PER_SAMPLE
-    from gradtap._per_sample.rules.linear import LINEAR, grad_linear
+    from gradtap._samples.rule import PER_SAMPLE
+    from gradtap._samples.rules.linear import LINEAR, grad_linear
 
     def doubled(module: nn.Module, inp: Tensor, go: Tensor, names: frozenset[str]) -> dict:
         return {k: 2 * g for k, g in grad_linear(module, inp, go, names).items()}

@@ -127,7 +127,7 @@ def test_attention_block_grad_and_per_sample_match_autograd_and_the_loop(config,
 
 
 def test_attention_matches_torch_func_vmap_and_its_replay_is_not_used(monkeypatch):
-    from gradtap._per_sample.rules import attention
+    from gradtap._samples.rules import attention
 
     model, b = Block(), batch()
 

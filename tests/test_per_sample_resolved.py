@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 import gradtap as gt
-from gradtap._per_sample import resolved
+from gradtap._samples import resolved
 from gradtap.errors import UnsupportedModuleError
 from tests._models import assert_no_hooks
 from tests.test_per_sample_models import N, close, loop_oracle

@@ -163,7 +163,8 @@ def test_per_sample_functional_and_rules_modules_import_by_dotted_path() -> None
     import types
 
     root = pathlib.Path(gt.__file__).parent
-    paths = [root / "rules.py", *sorted((root / "_per_sample").rglob("*.py")),
+    paths = [root / "rules.py", *sorted((root / "_samples").rglob("*.py")),
+             *sorted((root / "_per_sample").rglob("*.py")),
              *sorted((root / "functional").rglob("*.py"))]
     for path in paths:
         parts = list(path.relative_to(root).with_suffix("").parts)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from gradtap._per_sample.rule import PER_SAMPLE, GradRule, PerSampleRule, Piece, PiecesRule
+from gradtap._samples.rule import PER_SAMPLE, GradRule, PerSampleRule, Piece, PiecesRule
 
 __all__ = ["PER_SAMPLE", "GradRule", "PerSampleRule", "Piece", "PiecesRule", "per_sample_rule"]
 

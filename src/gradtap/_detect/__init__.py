@@ -15,7 +15,8 @@ Layout: ``_detector`` (the Detector composing the parts below, and ``detect``), 
 gradients it reads), ``_localize`` (naming the origin by a replay), ``_replay`` (rerunning a
 step), ``_watch`` (the per-call watch), ``_measure`` (what the watch measures), ``_spikes``
 (the spike trackers), ``_messages`` (the report of each kind of anomaly), ``_anomaly`` (the
-Anomaly type and report helpers), ``_ranks`` (what ranks tell each other of a step's
+Anomaly type and report helpers), ``_culprits`` (with ``samples=True``, the samples behind
+an anomaly, in the replay of its step), ``_ranks`` (what ranks tell each other of a step's
 anomalies), ``_host`` (batched reductions and host copies), ``_dump`` (dump files).
 """
 

@@ -65,6 +65,12 @@ class Anomaly:
             rank ``r`` did records one anomaly with ``rank=r``, the kind, ``where`` and
             module rank ``r`` found (``module_name`` ``"<rank r>"`` for the loss) and
             ``record=None`` (the report is on rank ``r``).
+        samples: with ``detect(..., samples=True)``, the samples that carry it: positions
+            along the batch dim of the step's model call, worst first (``docs/semantics.md``,
+            "Which samples did it"); ``()`` when none stands out or it is no sample's doing
+            (a parameter already non-finite); ``None`` without ``samples=True``.
+        sample_ids: the user's ids of :attr:`samples` (``det.step(sample_ids=ids)``: one id
+            per batch row, e.g. dataset indices or file names), else ``None``.
     """
 
     module_name: str
@@ -83,6 +89,8 @@ class Anomaly:
     threshold: float | None = None
     dump_path: str | None = None
     rank: int = 0
+    samples: tuple[int, ...] | None = None
+    sample_ids: tuple[int | str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but ``record``, as plain Python values (JSON-serialisable)."""

@@ -18,16 +18,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from gradtap._detect._anomaly import Anomaly, AnomalyWarning
+from gradtap._detect._culprits import batch_of, ids_of
 from gradtap._detect._dump import write_dump
 from gradtap._detect._localize import Localizer
 from gradtap._detect._messages import Found
-from gradtap._detect._options import ActionLiteral, ScreenLiteral, check_options
+from gradtap._detect._options import ActionLiteral, ScreenLiteral, check_options, check_samples
 from gradtap._detect._ranks import exchange
 from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, SpikeTracker
@@ -62,6 +64,8 @@ class Detector:
         screen: ScreenLiteral | None = None,
         options: WatchOptions | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        samples: bool = False,
+        batch_dim: int = 0,
     ) -> None:
         sess = session(model, "detect()")
         # Under DDP the inner module is watched and replayed (its forward has no collectives);
@@ -70,6 +74,9 @@ class Detector:
         check_scaler(scaler, "detect")
         replays = check_options(action=action, spike=spike, warmup=warmup,
                                 nonfinite=nonfinite, replay=replay, screen=screen)
+        check_samples(samples, batch_dim, replays)
+        self.samples = bool(samples)
+        self.batch_dim = int(batch_dim)
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
         if self.dump_dir is not None:
             if os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
@@ -114,7 +121,8 @@ class Detector:
             self._localizer = Localizer(model, select, self._screen, options=options,
                                         keep_forward=self.dump_dir is not None,
                                         sharded=self._sharded, modules=self._modules,
-                                        selected=self._selected)
+                                        selected=self._selected,
+                                        batch_dim=self.batch_dim if self.samples else None)
             if self.spike is not None:
                 self._param_spikes = ParamSpikes(selected, self.spike, self.warmup)
                 self._screen.norms_mode = True
@@ -201,21 +209,42 @@ class Detector:
             return self._screen.unchecked()
         return self._watch is not None and self._watch.pending_forward()
 
-    def step(self) -> None:
+    def step(self, sample_ids: Sequence[int | str] | Tensor | None = None) -> None:
         """Close the current step: check what is pending, add the spike norms to their histories, advance.
 
         Call it once per training step, after ``backward()``. Steps count from 0.
 
+        Args:
+            sample_ids: with ``samples=True``, one id per row of this step's batch (dataset
+                indices, file names; a list, or a 1-D integer tensor): each of this step's
+                anomalies gets :attr:`Anomaly.sample_ids`, the ids of its ``samples``. Under
+                ``action="raise"`` the anomaly is raised from ``backward()``: call
+                ``det.step(sample_ids=ids)`` in the handler to have them in
+                :attr:`anomalies`.
+
         Raises:
             GradientAnomaly: with ``action="raise"``, if a forward without backward was bad
                 (the step still advances).
+            ValueError: ``sample_ids`` without ``samples=True``, or, on a step with an
+                anomaly, not one id per batch row (the step is closed all the same).
+            TypeError: on a step with an anomaly, ids that are not a sequence of ints and
+                strs.
         """
+        if sample_ids is not None and not self.samples:
+            raise ValueError("det.step(sample_ids=...) names the samples of anomalies: pass "
+                             "samples=True to gt.detect")
         try:
             self._check_forward()
             self._check_unscreened_backward()
             self._emit()
             self._agree()
         finally:
+            bad_ids: Exception | None = None
+            if sample_ids is not None:
+                try:
+                    self._name_ids(sample_ids)
+                except (ValueError, TypeError) as err:  # raised once the step is closed
+                    bad_ids = err
             self._agreed = False
             self._held = []
             if self._watch is not None:
@@ -228,6 +257,8 @@ class Detector:
                 self._watch.new_step(self._step)
             if self._screen is not None:
                 self._screen.new_step()
+        if bad_ids is not None:
+            raise bad_ids
 
     def spike_baseline(self, name: str,
                        kind: Literal["param_grad", "grad_output"] = "param_grad"
@@ -254,6 +285,26 @@ class Detector:
             raise KeyError(f"no spike baseline for module {name!r} kind {kind!r}; have: "
                            f"{', '.join(f'{n}:param_grad' for n in have[:10]) or '(none: call step())'}")
         return found
+
+    def _name_ids(self, sample_ids: object) -> bool:
+        """This step's anomalies with the ids of their samples. The ids are read and checked
+        against the step's batch only when the step has such an anomaly: a healthy step
+        does not look at them (no copy of an id tensor to the host)."""
+        mine = [i for i, a in enumerate(self.anomalies)
+                if a.step == self._step and a.samples is not None]
+        if not mine:
+            return False
+        n = None if self._screen is None else batch_of(self._screen, self.batch_dim)
+        ids = ids_of(sample_ids, n, self.batch_dim)
+        for i in mine:
+            a = self.anomalies[i]
+            bad = [j for j in a.samples or () if j >= len(ids)]
+            if bad:
+                raise ValueError(f"sample_ids has {len(ids)} ids, but the anomaly at module "
+                                 f"{a.module_name!r} names batch position {bad[0]}")
+            self.anomalies[i] = dataclasses.replace(
+                a, sample_ids=tuple(ids[j] for j in a.samples or ()))
+        return True
 
     def remove(self) -> None:
         """Remove every hook; the model is left as it was. Safe to call twice."""
@@ -341,6 +392,15 @@ class Detector:
     def _emit(self) -> None:
         if not self._ready and not self._found and (self._watch is None or not self._watch.found):
             return  # nothing found: the usual step
+        try:
+            self._emit_found()
+        finally:
+            error = None if self._localizer is None else self._localizer.sample_error
+            if error is not None:  # the anomaly is recorded; the batch did not split
+                self._localizer.sample_error = None  # type: ignore[union-attr]
+                raise error
+
+    def _emit_found(self) -> None:
         found = self._ready + (self._watch.found if self._watch is not None else []) + self._found
         self._ready, self._found = [], []
         if self._watch is not None:
@@ -416,6 +476,8 @@ def detect(
     replay: bool | None = None,
     screen: ScreenLiteral | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    samples: bool = False,
+    batch_dim: int = 0,
 ) -> Detector:
     """Find where gradients break: the module where a NaN/Inf first appears, and spikes.
 
@@ -509,6 +571,17 @@ def detect(
             scale, so it is recorded in :attr:`anomalies` (its origin named as for an Inf)
             but never raised or warned, and ``should_skip()`` stays false (call
             ``scaler.step`` as usual: it skips the step and ``scaler.update()`` needs it).
+        samples: name the samples behind each anomaly (:attr:`Anomaly.samples`, batch
+            positions, worst first; ``det.step(sample_ids=ids)`` gives them the user's ids):
+            the rows of the first non-finite forward tensor that hold a NaN/Inf, the samples
+            whose own gradient at the origin is non-finite, or those whose per-sample
+            gradient norm in the spiking tensors is far above the batch's
+            (``docs/semantics.md``, "Which samples did it"). Found in the replay of the bad
+            step only (a healthy step costs the same); only with the replay watch. A batch
+            that does not split into samples along ``batch_dim`` raises ``BatchSplitError``
+            (a ``ValueError``) after the anomaly is recorded.
+        batch_dim: the dim of the model's inputs and activations that indexes samples
+            (``1`` for a time-major model whose tensors are ``[T, N, ...]``).
 
     Returns:
         A :class:`Detector`: ``.anomalies``, ``.step()``, ``.should_skip()``,
@@ -516,8 +589,9 @@ def detect(
 
     Raises:
         SelectionError: ``select`` matched no module.
-        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay`` or
-            ``screen``, or ``screen`` with the per-call watch.
+        ValueError: a bad ``action``, ``spike``, ``warmup``, ``dump_dir``, ``replay``,
+            ``screen``, ``samples`` or ``batch_dim``, or ``screen`` or ``samples`` with the
+            per-call watch.
 
     Example:
         >>> import torch, gradtap as gt
@@ -533,4 +607,4 @@ def detect(
     """
     return Detector(model, select, nonfinite=nonfinite, spike=spike, warmup=warmup,
                     action=action, dump_dir=dump_dir, replay=replay, screen=screen,
-                    scaler=scaler)
+                    scaler=scaler, samples=samples, batch_dim=batch_dim)

@@ -10,9 +10,12 @@ reported from ``.grad``. Either way, one event per step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
+from gradtap._detect import _culprits
 from gradtap._detect._anomaly import LOSS
 from gradtap._detect._measure import Plan, innermost
 from gradtap._detect._messages import Found, param_spike_anomaly, unreproduced_anomaly
@@ -20,8 +23,10 @@ from gradtap._detect._replay import replay as replay_step
 from gradtap._detect._screen import RootCall, Screen, Suspect
 from gradtap._detect._spikes import ParamSpikes, Spike
 from gradtap._detect._watch import CallWatch, WatchOptions
+from gradtap._samples.calls import BatchSplitError
 from gradtap._types import Selector
 from gradtap.capture import compiled_feature, session
+from gradtap.errors import UnsupportedModuleError
 
 __all__ = ["Localizer"]
 
@@ -30,14 +35,20 @@ class Localizer:
     """Replays the step ``screen`` kept to find where what it saw came from.
 
     ``model`` and ``select`` are the Detector's (a fresh watch selects again); ``modules`` is
-    every module by name, ``selected`` the names that may be reported."""
+    every module by name, ``selected`` the names that may be reported. ``batch_dim``: name
+    the samples of each anomaly along that dim (``samples=True``), else ``None``; a failure
+    to split the batch is kept in :attr:`sample_error` (the anomaly is still reported)."""
 
     def __init__(self, model: nn.Module, select: Selector, screen: Screen, *,
                  options: WatchOptions, keep_forward: bool, sharded: bool,
-                 modules: dict[str, nn.Module], selected: set[str]) -> None:
+                 modules: dict[str, nn.Module], selected: set[str],
+                 batch_dim: int | None = None) -> None:
         self._model, self._select, self._screen = model, select, screen
         self._options = options
-        self._keep_forward = keep_forward
+        self._batch_dim = batch_dim
+        self.sample_error: BatchSplitError | None = None
+        # The samples are read from the replay's tensors: its watch keeps every call's.
+        self._keep_forward = keep_forward or batch_dim is not None
         self._sharded = sharded
         self._modules, self._selected = modules, selected
 
@@ -73,8 +84,12 @@ class Localizer:
             found = []
         self._one_event_per_step()
         if found:
-            return found, []
-        return [], [unreproduced_anomaly(step, first, failure, self._modules, self._selected)]
+            return [self._samples(found[0], lambda n, bd: _culprits.nonfinite_samples(
+                found[0], self._screen, n, bd, self._modules))], []
+        made = unreproduced_anomaly(step, first, failure, self._modules, self._selected)
+        if self._batch_dim is not None:  # the replay did not show it: no sample to name
+            made = _culprits.attach(made, [], note="not found (the replay did not show it)")
+        return [], [made]
 
     def spike(self, spikes: list[Spike], tracker: ParamSpikes, backward: list[RootCall],
               step: int) -> list[Found]:
@@ -113,7 +128,34 @@ class Localizer:
         anomaly = param_spike_anomaly(step, plan, name, tracker.hits[name], tracker.spike,
                                       tracker.baseline(name), module=(type(module).__name__, own),
                                       note=note)
-        return [Found(anomaly, None if plan is None else (name, plan.call), module)]
+        made = Found(anomaly, None if plan is None else (name, plan.call), module)
+        if plan is None and self._batch_dim is not None:
+            return [_culprits.attach(made, [], note="not found (the replay did not show this "
+                                                     "module's call)")]
+        params = [p.strip() for p in anomaly.slot.split(",") if p.strip()]
+        return [self._samples(made, lambda n, bd: _culprits.spike_samples(
+            plans, name, params, n, bd, module))]
+
+    def _samples(self, found: Found, name_them: Callable[[int, int], Any]) -> Found:
+        """``found`` with the samples ``name_them(batch size, batch_dim)`` names (a list, or
+        ``(list, norms)``); unchanged without ``samples=True``."""
+        bd = self._batch_dim
+        if bd is None:
+            return found
+        try:
+            n = _culprits.batch_of(self._screen, bd)
+            got = [] if n is None else name_them(n, bd)
+        except (BatchSplitError, UnsupportedModuleError, ValueError) as err:
+            self.sample_error = BatchSplitError(
+                f"detect(samples=True) could not name the samples of the {found.anomaly.kind} "
+                f"at module {found.anomaly.module_name!r} (step {found.anomaly.step}; it is "
+                f"recorded in det.anomalies): {err}. Pass the dim that indexes samples as "
+                "batch_dim= (1 for a time-major model), or leave samples off for a model that "
+                "folds its samples together")
+            return _culprits.attach(found, [], note=f"not named ({err})")
+        if isinstance(got, tuple):
+            return _culprits.attach(found, *got)
+        return _culprits.attach(found, got)
 
     def _watch(self, options: WatchOptions, step: int) -> CallWatch:
         with compiled_feature(None):  # a replay runs eagerly, and says nothing

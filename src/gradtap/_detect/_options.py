@@ -13,7 +13,7 @@ from typing import Literal
 from gradtap._tensorops.spikes import THRESHOLD
 from gradtap._types import ACTIONS, ActionLiteral, is_int
 
-__all__ = ["ActionLiteral", "ScreenLiteral", "check_options"]
+__all__ = ["ActionLiteral", "ScreenLiteral", "check_options", "check_samples"]
 
 ScreenLiteral = Literal["model", "modules"]
 _SCREENS = ("model", "modules")
@@ -46,3 +46,15 @@ def check_options(*, action: str, spike: float | bool | None, warmup: int | None
                          "per-call watch (replay=False) checks every selected call anyway: "
                          "leave screen=None")
     return replays
+
+
+def check_samples(samples: object, batch_dim: object, replays: bool) -> None:
+    """A ``ValueError`` for a bad ``samples`` or ``batch_dim``, or ``samples`` without replays."""
+    if not isinstance(samples, bool):
+        raise ValueError(f"samples must be True or False; got {samples!r}")
+    if not is_int(batch_dim) or batch_dim < 0:
+        raise ValueError(f"batch_dim must be an int >= 0 (the dim that indexes samples); "
+                         f"got {batch_dim!r}")
+    if samples and not replays:
+        raise ValueError("samples=True names the samples in the replay of a bad step; the "
+                         "per-call watch (replay=False) does not replay: leave replay=None")

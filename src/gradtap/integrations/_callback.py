@@ -8,7 +8,7 @@ module does the rest, so both callbacks behave the same way.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,9 @@ class CallbackCore:
 
     def __init__(self, store: str | os.PathLike[str] | None, select: Selector,
                  stats: Sequence[str], kinds: Sequence[str], every: int, ewma: float | None,
-                 hist_bins: int | None, detect: bool) -> None:
+                 hist_bins: int | None, detect: bool | str) -> None:
+        if detect not in (True, False, "samples"):
+            raise ValueError(f"detect must be True, False or 'samples'; got {detect!r}")
         self.store = None if store is None else os.fspath(store)
         self.select = select
         self.stats = tuple(stats)
@@ -58,6 +60,7 @@ class CallbackCore:
         self._last_step = -1
         self._anomalies: list[Any] = []
         self._pending_state: dict[str, Any] | None = None
+        self._batch_ids: list[Any] = []  # each micro-batch's "sample_ids" since the last step
         self._loss: torch.Tensor | None = None
         self._loss_hooks: HookSet | None = None
         self._loss_scale: ScalerWatch | None = None
@@ -94,9 +97,17 @@ class CallbackCore:
         if state is not None:
             self.monitor.load_state_dict(state)
         if self.detect:
-            self.detector = detect(model, action="record", scaler=scaler)
+            self.detector = detect(model, action="record", scaler=scaler,
+                                   samples=self.detect == "samples")
             self._params = [p for p in model.parameters() if p.requires_grad]
         return self.monitor
+
+    def note_batch(self, batch: Any) -> None:
+        """A micro-batch starts: under ``detect="samples"``, its ``"sample_ids"`` (a batch
+        that is a mapping with that key), for the anomalies of this optimizer step."""
+        if self.detect == "samples":
+            ids = batch.get("sample_ids") if isinstance(batch, Mapping) else None
+            self._batch_ids.append(ids)
 
     def optimizer_step(self) -> bool:
         """Close one Monitor step for the gradients about to be applied, then :meth:`verdict`."""
@@ -139,7 +150,10 @@ class CallbackCore:
             torch.stack([g.isfinite().all() for g in grads]).all())
         scaled = self._scaler is not None and self._scaler.is_enabled()
         skip = self.detector.should_skip() or (nonfinite and not scaled)
-        self.detector.step()
+        # One micro-batch: its ids name the samples (with several, which one found the
+        # anomaly is not known here: batch positions only).
+        batches, self._batch_ids = self._batch_ids, []
+        self.detector.step(sample_ids=batches[0] if len(batches) == 1 else None)
         if nonfinite and scaled:
             self.overflows.append(self._last_step)
         if skip:

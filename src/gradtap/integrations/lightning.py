@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -61,7 +61,10 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
         store: run directory (default: ``<trainer.log_dir>/gradtap``; a resumed run that
             finds a store there writes to ``gradtap-<step>`` beside it).
         select, stats, kinds, every, ewma, hist_bins: as for :class:`gradtap.Monitor`.
-        detect: skip the optimizer step on a NaN/Inf gradient (see above).
+        detect: skip the optimizer step on a NaN/Inf gradient (see above); ``"samples"``
+            also names the samples behind each anomaly (``gt.detect(..., samples=True)``),
+            with the ids of a batch that is a dict with a ``"sample_ids"`` entry (one id per
+            row; without gradient accumulation), as ``Anomaly.sample_ids``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -74,8 +77,13 @@ class GradtapCallback(CallbackViews, Callback):  # type: ignore[misc]
     def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
                  stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
-                 detect: bool = False) -> None:
+                 detect: bool | Literal["samples"] = False) -> None:
         self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._core.started:
+            self._core.note_batch(batch)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -70,7 +70,9 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     Args:
         store: run directory (default: ``<output_dir>/gradtap``).
         select, stats, kinds, every, ewma, hist_bins: as for :class:`gradtap.Monitor`.
-        detect: skip the optimizer step on an anomaly (see above).
+        detect: skip the optimizer step on an anomaly (see above); ``"samples"`` also names
+            the samples behind each anomaly as batch positions (``Anomaly.samples``; the
+            Trainer hands the model only the columns it takes, so no ids reach it).
 
     Example:
         >>> from gradtap.integrations.transformers import GradtapCallback
@@ -81,7 +83,7 @@ class GradtapCallback(CallbackViews, TrainerCallback):  # type: ignore[misc]
     def __init__(self, store: str | os.PathLike[str] | None = None, select: Selector = "*",
                  stats: Sequence[str] = DEFAULT_STATS, kinds: Sequence[str] = ("param_grad",),
                  every: int = 1, ewma: float | None = None, hist_bins: int | None = None,
-                 detect: bool = False) -> None:
+                 detect: bool | Literal["samples"] = False) -> None:
         self._core = CallbackCore(store, select, stats, kinds, every, ewma, hist_bins, detect)
         self._model: torch.nn.Module | None = None
         self._sync: Any = None

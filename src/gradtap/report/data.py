@@ -4,7 +4,8 @@ A run directory holds the Monitor's ``run.db`` and, optionally, two JSON side fi
 ``gradtap demo`` (or your own loop) writes next to it:
 
 * ``anomalies.json``: ``{"version": 1, "source": str, "anomalies": [{"step", "module_name",
-  "kind", "where", "message"}, ...]}``, e.g. ``det.anomalies`` of :func:`gradtap.detect`
+  "kind", "where", "message", ...}, ...]}`` (with ``detect(samples=True)`` also
+  ``"samples"`` and ``"sample_ids"``, lists), e.g. ``det.anomalies`` of :func:`gradtap.detect`
   saved with :func:`write_anomalies`;
 * ``metrics.json``: ``{"version": 1, "series": {name: {"steps": [...], "values": [...]}},
   "summary": {name: number}}``, e.g. the loss per step, saved with :func:`write_metrics`.

@@ -97,11 +97,13 @@ def anomalies(data: ReportData) -> str:
         rows = "".join(
             f"<tr><td>{escape(str(a.get('step')))}</td><td><code>{escape(str(a.get('module_name')))}"
             f"</code></td><td>{escape(str(a.get('kind')))}</td><td>{escape(str(a.get('where')))}</td>"
-            f"<td>{_message(a.get('message'))}</td></tr>" for a in data.anomalies)
+            f"<td>{_samples(a)}</td><td>{_message(a.get('message'))}</td></tr>"
+            for a in data.anomalies)
         src = f" (source: {escape(data.anomaly_source)})" if data.anomaly_source else ""
         html += (f"<h3>Recorded anomalies{src}</h3>"
                  '<table class="data anomalies" id="anomaly-table"><thead><tr><th>step</th>'
-                 "<th>module</th><th>kind</th><th>where</th><th>message</th></tr></thead>"
+                 "<th>module</th><th>kind</th><th>where</th><th>samples</th><th>message</th></tr>"
+                 "</thead>"
                  f"<tbody>{rows}</tbody></table>")
     elif data.anomaly_source is not None:
         html += f'<p class="ok">The detector ({escape(data.anomaly_source)}) recorded no anomaly.</p>'
@@ -129,6 +131,23 @@ def anomalies(data: ReportData) -> str:
     elif data.nonfinite:
         html += '<p class="ok">No NaN or Inf in any recorded gradient.</p>'
     return html
+
+
+def _samples(a: dict[str, Any]) -> str:
+    """The samples an anomaly names (``detect(samples=True)``), worst first: each batch
+    position with the user's id where ``sample_ids`` gave one; empty when not asked."""
+    samples, ids = a.get("samples"), a.get("sample_ids")
+    if not isinstance(samples, list):
+        return ""
+    if not samples:
+        return '<span class="muted">none stands out</span>'
+    if isinstance(ids, list) and len(ids) == len(samples):
+        items = [f"{escape(str(i))} <span class=\"muted\">(row {p})</span>"
+                 for p, i in zip(samples, ids)]
+    else:
+        items = [f"row {escape(str(p))}" for p in samples]
+    more = f" ... ({len(items)} in all)" if len(items) > 10 else ""
+    return ", ".join(items[:10]) + more
 
 
 def layer_table(data: ReportData) -> str:

@@ -7,7 +7,7 @@ in the batch dim), it is called on one sample at a time (``h[i:i+1]``), or its r
 gradient cannot be trusted. The split then has to come from a call further out whose output
 gradient does have one row per sample: ``per_sample`` keeps the arguments of the calls of
 every module that encloses an owner of a selected parameter, and replays the innermost one
-that works (:func:`gradtap._per_sample.fallback.replay_call`).
+that works (:func:`gradtap._samples.fallback.replay_call`).
 
 Which calls are kept: during the forward every enclosing call is noted (its arguments by
 reference); when the outermost one returns, only the outermost calls and the calls that
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.fallback import CannotReplay, replay_call
-from gradtap._per_sample.layout import CallSplit, split_call
+from gradtap._samples.fallback import CannotReplay, replay_call
+from gradtap._samples.layout import CallSplit, split_call
 from gradtap.capture import AutocastState, HookSet, made_since, mark_boundary, sequence_mark
 from gradtap.record import flatten_tensors
 

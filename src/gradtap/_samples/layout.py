@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from gradtap._per_sample.fallback_errors import CannotReplay
+from gradtap._samples.fallback_errors import CannotReplay
 
 __all__ = ["CallSplit", "Dim", "KeptCall", "Rows", "Scalar", "Slot", "sample_count", "split_call"]
 

@@ -1,6 +1,6 @@
 """Per-layer rules, one module per layer family, registered here and nowhere else.
 
-Each family module defines its :class:`~gradtap._per_sample.rule.PerSampleRule` entries;
+Each family module defines its :class:`~gradtap._samples.rule.PerSampleRule` entries;
 this module registers every built-in entry in ``PER_SAMPLE`` for the module types it serves
 (and, through the class hierarchy, their subclasses).
 """
@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from gradtap._per_sample.rule import PER_SAMPLE
-from gradtap._per_sample.rules import attention, conv, embedding, linear, norm
+from gradtap._samples.rule import PER_SAMPLE
+from gradtap._samples.rules import attention, conv, embedding, linear, norm
 
 __all__ = ["attention", "conv", "embedding", "linear", "norm"]
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import OwnCall, PerSampleRule, Piece, chunks
+from gradtap._samples.rule import OwnCall, PerSampleRule, Piece, chunks
 from gradtap.errors import UnsupportedModuleError
 
 __all__ = ["ATTENTION", "batch_dim_attention", "own_forward_attention", "own_pieces_attention",

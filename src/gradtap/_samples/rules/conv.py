@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
-from gradtap._per_sample.rule import PerSampleRule, budget, chunks
+from gradtap._samples.rule import PerSampleRule, budget, chunks
 from gradtap.functional._weight_grad import (
     Method,
     WeightGradProblem,

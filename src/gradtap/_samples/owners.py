@@ -2,7 +2,7 @@
 
 Resolved once when ``gt.per_sample`` starts: every module that directly holds a selected
 parameter owns it (a tied parameter has several owners, each use is computed and summed), with
-the :class:`~gradtap._per_sample.rule.PerSampleRule` of its type, or none (the ``torch.func``
+the :class:`~gradtap._samples.rule.PerSampleRule` of its type, or none (the ``torch.func``
 fallback). During the forward, :func:`classify_call` tells whether one call's own record can
 give per-sample gradients or the parameters need a replay of an enclosing call.
 """
@@ -16,8 +16,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
-from gradtap._per_sample.layout import CallSplit, Dim
-from gradtap._per_sample.rule import PER_SAMPLE, PerSampleRule
+from gradtap._samples.layout import CallSplit, Dim
+from gradtap._samples.rule import PER_SAMPLE, PerSampleRule
 from gradtap.errors import UnsupportedModuleError
 from gradtap.record import flatten_tensors
 
@@ -190,7 +190,7 @@ def classify_call(owner: Owner, inputs: dict[str, Tensor], outputs: dict[str, Te
     """Why this call's own record cannot give per-sample gradients, or ``None``.
 
     ``split``: the call's arguments split into samples, for a module without a rule: its
-    outputs then need a row per sample where the call's layout puts them (``_per_sample.
+    outputs then need a row per sample where the call's layout puts them (``_samples.
     layout``; a 0-dim output, reduced over the batch, is replayed on each sample alone).
     ``member``: whether a tensor was computed from the batch (``membership``), where the
     forward was followed: a rule's input, and an output, that was not is shared by all

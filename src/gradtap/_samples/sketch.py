@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from gradtap._per_sample.owners import Owner
+from gradtap._samples.owners import Owner
 
 __all__ = ["K", "Sketches", "pair"]
 

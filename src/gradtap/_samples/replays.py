@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import torch
 
-from gradtap._per_sample.accumulate import Step, Totals
-from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.owners import describe
-from gradtap._per_sample.sketch import pair
-from gradtap._per_sample.spec import Spec
-from gradtap._per_sample.units import Frame, candidates, frames_of, mismatches, replay_frames
+from gradtap._samples.accumulate import Step, Totals
+from gradtap._samples.fallback import CannotReplay
+from gradtap._samples.owners import describe
+from gradtap._samples.sketch import pair
+from gradtap._samples.spec import Spec
+from gradtap._samples.units import Frame, candidates, frames_of, mismatches, replay_frames
 
 __all__ = ["Replays"]
 

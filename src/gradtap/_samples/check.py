@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from gradtap._per_sample.compute import Compute, RuleCompute
-from gradtap._per_sample.sketch import Sketches, pair
-from gradtap._per_sample.spec import Spec
-from gradtap._per_sample.units import mismatches
+from gradtap._samples.compute import Compute, RuleCompute
+from gradtap._samples.sketch import Sketches, pair
+from gradtap._samples.spec import Spec
+from gradtap._samples.units import mismatches
 
 if TYPE_CHECKING:
-    from gradtap._per_sample.accumulate import Step
+    from gradtap._samples.accumulate import Step
 
 __all__ = ["check_sums", "checked_sums", "sums"]
 
@@ -38,7 +38,7 @@ def sums(compute: Compute, grads: dict[str, Tensor]) -> dict[str, Tensor]:
 def checked_sums(sketches: Sketches, compute: Compute, grads: dict[str, Tensor],
                  names: dict[str, str]) -> dict[str, Tensor]:
     """What the end-of-backward check compares of one call: ``sum_n g_n`` per name, times
-    its projection where the check is sketched (``_per_sample.sketch``)."""
+    its projection where the check is sketched (``_samples.sketch``)."""
     out: dict[str, Tensor] = {}
     if isinstance(compute, RuleCompute) and compute.rule.total_sketch is not None:
         for rel in grads:

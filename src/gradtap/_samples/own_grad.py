@@ -7,7 +7,7 @@ per sample in its first tensor argument and an argument that requires grad: an
 always-called forward pre-hook puts detached parameters into the module for the call (its
 forward hook puts the parameters back), so autograd skips their batch weight gradients; a
 rule with a forward of its own (``MultiheadAttention``) runs instead of the module's, with
-an :class:`~gradtap._per_sample.rule.OwnCall` that keeps what it reads. When an owned call's
+an :class:`~gradtap._samples.rule.OwnCall` that keeps what it reads. When an owned call's
 record comes in backward, its per-sample quantities are computed as for any record, and
 their sum (times ``1/N`` for a mean loss) is the call's share of ``.grad``, added at the end
 of the backward (:meth:`OwnGrad.write`).
@@ -22,14 +22,14 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.accumulate import Step
-from gradtap._per_sample.check import sums
-from gradtap._per_sample.compute import Compute, PiecesCompute, compute_for
-from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.membership import Membership
-from gradtap._per_sample.owners import Owner, describe, rows
-from gradtap._per_sample.rule import OwnCall
-from gradtap._per_sample.spec import Spec
+from gradtap._samples.accumulate import Step
+from gradtap._samples.check import sums
+from gradtap._samples.compute import Compute, PiecesCompute, compute_for
+from gradtap._samples.fallback import CannotReplay
+from gradtap._samples.membership import Membership
+from gradtap._samples.owners import Owner, describe, rows
+from gradtap._samples.rule import OwnCall
+from gradtap._samples.spec import Spec
 from gradtap.capture import HookSet, current_backward, in_recomputation
 from gradtap.errors import GradtapError
 from gradtap.record import GradRecord, flatten_tensors

@@ -19,7 +19,7 @@ by parameter name relative to the module, for the names asked:
 * ``total_sketch(module, inp, grad_out, names, r) -> {name: (sum_n g_n).flatten(1) @ r}``
   for the names it covers: the batch gradient times a random matrix ``r``
   (``[param.shape[1:].numel(), k]``) without building the batch gradient, for the check at the
-  end of backward (``gradtap._per_sample.sketch``).
+  end of backward (``gradtap._samples.sketch``).
 
 ``norm_sq``, ``sum_sq`` and ``total`` are optional fast paths: without them the quantity is
 reduced from ``grad`` chunk by chunk over samples (:meth:`PerSampleRule.norm_sq_of`,

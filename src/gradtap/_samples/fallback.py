@@ -3,7 +3,7 @@
 A call of a module is replayed per sample: sample n's gradient is the gradient, w.r.t. the
 parameters, of ``<module(x_n), go_n>``, where ``x_n`` is sample n's part of every argument
 that has one and ``go_n`` its (scaled) output gradient; where each argument and output holds
-the samples is :mod:`gradtap._per_sample.layout`'s business (rows along the sample dim by
+the samples is :mod:`gradtap._samples.layout`'s business (rows along the sample dim by
 default, an argument without them shared by all samples; a 0-dim output reduced over the
 batch keeps its gradient as the cotangent of every sample's value). This is exact for any
 call whose forward treats samples independently and is deterministic. Two ways, the first
@@ -18,7 +18,7 @@ that works:
 
 Used for a module without a rule (its arguments as passed; from its record's tensor arguments,
 with defaults for the others, when the call was not kept) and, by
-:mod:`gradtap._per_sample.api`, for a whole enclosing call when no rule can map a parameter.
+:mod:`gradtap._samples.api`, for a whole enclosing call when no rule can map a parameter.
 
 Random ops (dropout in training mode) cannot be replayed identically: ``vmap`` refuses them,
 and the loop notices that the random number generator moved; both raise.
@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from gradtap._per_sample.fallback_errors import CannotReplay
-from gradtap._per_sample.layout import CallSplit, Dim, Scalar, Slot, restore, split_call
+from gradtap._samples.fallback_errors import CannotReplay
+from gradtap._samples.layout import CallSplit, Dim, Scalar, Slot, restore, split_call
 from gradtap.capture import AutocastState, RngState, buffers_restored
 from gradtap.errors import UnsupportedModuleError
 from gradtap.record import flatten_tensors
@@ -134,7 +134,7 @@ def replay_call(
         args, kwargs: the call's arguments, as passed (tensors are detached for the replay).
         grad_outputs: gradients w.r.t. the call's outputs, by output path (``"output"``,
             ``"0"``, ``"last_hidden_state"``...); each holds the ``n`` samples where the
-            call's layout says (``_per_sample.layout``), or is 0-dim.
+            call's layout says (``_samples.layout``), or is 0-dim.
         params: the parameters to differentiate, by name relative to ``module``. A name not
             under ``module`` (a parameter it receives some other way) is differentiated too,
             by the loop only.

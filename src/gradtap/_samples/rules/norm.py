@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import PerSampleRule
+from gradtap._samples.rule import PerSampleRule
 
 __all__ = ["BATCH_NORM", "GROUP_NORM", "INSTANCE_NORM", "LAYER_NORM", "RMS_NORM",
            "check_batchnorm", "grad_batchnorm", "grad_groupnorm", "grad_instancenorm",

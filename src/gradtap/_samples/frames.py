@@ -2,7 +2,7 @@
 
 Calls of the modules that enclose an owner (``owners.enclosing_modules``) are followed on a
 stack as they run; each one the model makes for a new use (not a checkpoint's recomputation,
-not one of per_sample's own replays) becomes a :class:`~gradtap._per_sample.units.Frame`.
+not one of per_sample's own replays) becomes a :class:`~gradtap._samples.units.Frame`.
 A forward group is the forwards whose graph the next backward goes through: it starts at the
 first outermost call after a backward (or after ``MAX_OUTER_CALLS`` outermost calls without
 one) and holds, for each selected parameter, the frames around each call that used it, and
@@ -17,11 +17,11 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
-from gradtap._per_sample.layout import KeptCall, leaves, sample_count
-from gradtap._per_sample.membership import Membership
-from gradtap._per_sample.owners import Owner, batch_size_of, classify_call
-from gradtap._per_sample.spec import Spec
-from gradtap._per_sample.units import MAX_OUTER_CALLS, Frame, innermost_around
+from gradtap._samples.layout import KeptCall, leaves, sample_count
+from gradtap._samples.membership import Membership
+from gradtap._samples.owners import Owner, batch_size_of, classify_call
+from gradtap._samples.spec import Spec
+from gradtap._samples.units import MAX_OUTER_CALLS, Frame, innermost_around
 from gradtap.record import GradRecord
 
 __all__ = ["Calls", "samples_in", "samples_of"]

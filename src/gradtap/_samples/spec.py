@@ -4,7 +4,7 @@
 (``owners``) and which checks are sketched (``sketch``), through ``resolved`` (which reuses
 the last resolution of an unchanged model), and gives the factors and choices that depend
 only on them: the loss reduction's scale, whether a call's per-sample gradients must be built.
-The collaborators of :class:`~gradtap._per_sample.api.PerSample` share it.
+The collaborators of :class:`~gradtap._samples.api.PerSample` share it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Literal, cast, get_args
 
 from torch import nn
 
-from gradtap._per_sample.owners import Owner
-from gradtap._per_sample.resolved import resolved_for
-from gradtap._per_sample.results import STATS
-from gradtap._per_sample.sketch import Sketches
+from gradtap._samples.owners import Owner
+from gradtap._samples.resolved import resolved_for
+from gradtap._samples.results import STATS
+from gradtap._samples.sketch import Sketches
 from gradtap._types import Selector
 from gradtap.capture import session
 

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import PerSampleRule
+from gradtap._samples.rule import PerSampleRule
 
 __all__ = ["EMBEDDING", "check_embedding", "grad_embedding", "norm_embedding",
            "sum_sq_embedding", "total_embedding"]

@@ -15,15 +15,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from gradtap._per_sample.check import checked_sums
-from gradtap._per_sample.compute import Compute, compute_for
-from gradtap._per_sample.fallback import CannotReplay
-from gradtap._per_sample.layout import KeptCall
-from gradtap._per_sample.owners import Owner
-from gradtap._per_sample.results import results
-from gradtap._per_sample.sketch import pair
-from gradtap._per_sample.spec import Spec
-from gradtap._per_sample.units import largest_norm
+from gradtap._samples.check import checked_sums
+from gradtap._samples.compute import Compute, compute_for
+from gradtap._samples.fallback import CannotReplay
+from gradtap._samples.layout import KeptCall
+from gradtap._samples.owners import Owner
+from gradtap._samples.results import results
+from gradtap._samples.sketch import pair
+from gradtap._samples.spec import Spec
+from gradtap._samples.units import largest_norm
 from gradtap.errors import GradtapError
 from gradtap.record import GradRecord
 

@@ -18,7 +18,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor, nn
 
-from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
+from gradtap._samples.rule import PerSampleRule, Piece, budget, chunks
 
 __all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
            "sketch_linear", "sum_sq_linear", "sum_sq_pieces", "total_linear", "total_pieces"]

@@ -7,7 +7,7 @@ resolution of each model (per ``select``, ``batch_dim`` and ``fallback``) and gi
 while the model is the same: the same modules and parameters under the same names, of the
 same types, with the same ``requires_grad``, shapes, dtypes and devices, and the same rule
 entries registered for the owners' types. Anything else resolves again. Each call gets its
-own :class:`~gradtap._per_sample.owners.Owner` objects (their per-handle state is fresh),
+own :class:`~gradtap._samples.owners.Owner` objects (their per-handle state is fresh),
 and the checks that depend on a module's mode (BatchNorm in training mode, the layout a
 rule requires of ``batch_dim``) run every time. A selector that is a predicate is resolved
 every time: it may read anything.
@@ -26,8 +26,8 @@ from typing import Any
 
 from torch import nn
 
-from gradtap._per_sample.owners import Owner, _rule_for, check_module, resolve_owners
-from gradtap._per_sample.sketch import Sketches
+from gradtap._samples.owners import Owner, _rule_for, check_module, resolve_owners
+from gradtap._samples.sketch import Sketches
 from gradtap._types import Selector
 from gradtap.errors import SelectionError
 from gradtap.select import select_parameters

@@ -13,11 +13,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradtap._per_sample.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
-from gradtap._per_sample.layout import KeptCall
-from gradtap._per_sample.owners import Owner, rows
-from gradtap._per_sample.rule import PerSampleRule, Piece, budget, chunks
-from gradtap._per_sample.rules.linear import (
+from gradtap._samples.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
+from gradtap._samples.layout import KeptCall
+from gradtap._samples.owners import Owner, rows
+from gradtap._samples.rule import PerSampleRule, Piece, budget, chunks
+from gradtap._samples.rules.linear import (
     grad_pieces,
     norm_sq_pieces,
     sum_sq_pieces,
