@@ -1,7 +1,7 @@
 """``gt.dp_sgd`` against a float64 per-sample loop (each sample's gradient from its own
 forward and ``torch.autograd.grad``, clipped, summed, divided by ``q N``), on an MLP, a CNN
 with GroupNorm, Embedding + LayerNorm + MultiheadAttention, an RMSNorm model and a frozen base
-with a LoRA-style adapter; the noise's size, freshness and reproducibility; the accountant;
+with a LoRA-style adapter, tied weights; the noise's size, freshness and reproducibility; the accountant;
 the errors at construction; hook hygiene."""
 
 from __future__ import annotations
@@ -51,6 +51,19 @@ class LoRA(nn.Module):
         return self.base(x) + self.lora_b(self.lora_a(x))
 
 
+class Tied(nn.Module):
+    """An embedding whose table is also the output layer's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(tokens)).mean(1))
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -70,6 +83,7 @@ MODELS = {
     "embedding_layernorm_mha": (Attention, lambda b: torch.randint(0, 11, (b, 4))),
     "rmsnorm": (_rms, lambda b: torch.randn(b, 6)),
     "lora": (LoRA, lambda b: torch.randn(b, 6)),
+    "tied_embedding": (Tied, lambda b: torch.randint(0, 11, (b, 4))),
 }
 
 
@@ -326,3 +340,21 @@ def test_detach_restores_the_plain_step() -> None:
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, r)
     assert dp.steps == 0
+
+
+def ddp_worker(rank: int, world: int) -> dict:
+    model = nn.parallel.DistributedDataParallel(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
+                  noise_multiplier=1.0)
+    except NotImplementedError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def test_a_ddp_model_is_refused() -> None:
+    from tests._dist import run_ranks
+
+    [result] = run_ranks(ddp_worker, world=1)
+    assert result["error"] is not None and "DistributedDataParallel" in result["error"]

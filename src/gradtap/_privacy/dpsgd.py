@@ -150,7 +150,9 @@ class DPSGD:
             raise ValueError("dp_sgd: the model has no trainable parameter")
         _check_optimizer(model, optimizer, params)
         self.optimizer = optimizer
-        self._ps = PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",))
+        # own_grad: autograd skips the batch weight gradients the private step replaces.
+        self._ps = PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",),
+                             own_grad=True)
         self._params = {name: params[name] for name in self._ps.names}
         self._hooks = HookSet()
         try:
@@ -188,7 +190,7 @@ class DPSGD:
         if n:
             per = self._ps.grad
             grads = [per[name] for name in self._params]
-            sq = [g.flatten(1).square().sum(1) for g in grads]
+            sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
             coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
             sums = [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
         else:  # an empty batch, or no backward: a step of noise only
