@@ -94,6 +94,10 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"not the model's: they would be stepped without clipping or noise")
 
 
+def _nothing(*_args: Any) -> None:
+    pass
+
+
 class DPSGD:
     """DP-SGD on a model and its optimizer; made by :func:`gradtap.dp_sgd`.
 
@@ -157,6 +161,7 @@ class DPSGD:
         self._hooks = HookSet()
         try:
             self._hooks.optimizer_step_pre(optimizer, self._before_step)
+            self._hooks.around_any_grad_scaler_step(self._refuse_scaler, _nothing)
         except BaseException:
             self.detach()
             raise
@@ -209,6 +214,13 @@ class DPSGD:
                 p.grad = g
         self.accountant.step()
         self._ps.clear()
+
+    def _refuse_scaler(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+        if optimizer is self.optimizer and scaler.is_enabled():
+            raise NotImplementedError(
+                "dp_sgd does not support a GradScaler yet: the per-sample gradients are those "
+                "of the scaled loss, and clipping them at max_grad_norm would clip at the wrong "
+                "bound; train without loss scaling (bfloat16 autocast needs none)")
 
     @property
     def steps(self) -> int:
@@ -291,7 +303,8 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
             ``(0, 1]``, neither a noise multiplier nor a complete target); an optimizer
             that does not hold every trainable parameter of the model.
         UnsupportedModuleError: a BatchNorm in training mode (named).
-        NotImplementedError: a ``DistributedDataParallel`` model.
+        NotImplementedError: a ``DistributedDataParallel`` model; at ``scaler.step(optimizer)``,
+            an enabled ``torch.amp.GradScaler`` (loss scaling is not supported yet).
         GradtapError: at a step, for parameters whose per-sample gradients neither a rule
             nor a replay could give (named).
 
