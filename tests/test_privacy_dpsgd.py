@@ -373,3 +373,35 @@ def test_a_grad_scaler_is_refused_at_its_step() -> None:
     assert dp.steps == 0
     dp.detach()
     scaler.step(opt)  # detached: the scaler steps as usual
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("b", [3, 8, 13])
+def test_three_steps_equal_opacus_without_noise(b: int) -> None:
+    """Opacus's DPOptimizer, noise 0, dividing by a loader batch size of q N: the same clip
+    formula (``min(1, C / (norm + 1e-6))``), so the same parameters after three steps."""
+    opacus = pytest.importorskip("opacus")
+    torch.manual_seed(11)
+    model = _mlp().double()
+    ref = copy.deepcopy(model)
+    data = torch.utils.data.TensorDataset(torch.randn(N_DATA, 6, dtype=torch.float64),
+                                          torch.randint(0, 3, (N_DATA,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=int(Q * N_DATA))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    ref, ref_opt, _ = engine.make_private(module=ref, optimizer=ref_opt, data_loader=loader,
+                                          noise_multiplier=0.0, max_grad_norm=0.4,
+                                          poisson_sampling=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    dp = gt.dp_sgd(model, opt, max_grad_norm=0.4, sample_rate=Q, dataset_size=N_DATA,
+                   noise_multiplier=0.0)
+    for step in range(3):
+        x, y = data[step * b:(step + 1) * b]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for p, r in zip(model.parameters(), ref._module.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12)
+    dp.detach()
