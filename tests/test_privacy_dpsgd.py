@@ -405,3 +405,27 @@ def test_three_steps_equal_opacus_without_noise(b: int) -> None:
     for p, r in zip(model.parameters(), ref._module.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12)
     dp.detach()
+
+
+def test_the_step_count_survives_a_checkpoint() -> None:
+    model, opt = _plain()
+    dp = gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
+                   noise_multiplier=1.0, accountant="rdp")
+    for _ in range(7):
+        opt.step()
+    state = dp.state_dict()
+    dp.detach()
+    again = gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
+                      noise_multiplier=1.0, accountant="rdp")
+    again.load_state_dict(state)
+    assert again.steps == 7 and again.epsilon(1e-5) == dp.epsilon(1e-5) > 0
+    with pytest.raises(ValueError, match="already followed by another dp_sgd"):
+        gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
+                  noise_multiplier=1.0)
+    again.detach()
+    other = gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
+                      noise_multiplier=2.0, accountant="rdp")
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        other.load_state_dict(state)
+    other.detach()
+    assert_no_hooks(model)

@@ -155,8 +155,15 @@ class DPSGD:
         _check_optimizer(model, optimizer, params)
         self.optimizer = optimizer
         # own_grad: autograd skips the batch weight gradients the private step replaces.
-        self._ps = PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",),
-                             own_grad=True)
+        try:
+            self._ps = PerSample(model, "*", loss_reduction=loss_reduction,
+                                 quantities=("grad",), own_grad=True)
+        except ValueError as err:
+            if "another open" not in str(err):
+                raise
+            raise ValueError(f"dp_sgd: the model is already followed by another dp_sgd (or "
+                             f"per_sample) that computes its .grad: detach that one first "
+                             f"({err})") from None
         self._params = {name: params[name] for name in self._ps.names}
         self._hooks = HookSet()
         try:
