@@ -194,7 +194,7 @@ class DPSGD:
         return calibrate_noise(target_epsilon, target_delta, self.sample_rate,  # type: ignore[arg-type]
                                steps, accountant=accountant)  # type: ignore[arg-type]
 
-    def private_grads(self) -> list[Tensor]:
+    def _private_grads(self) -> list[Tensor]:
         """The private gradient of each trainable parameter (``.grad`` of the next step), from
         the per-sample gradients of the backwards since the last step; draws the noise."""
         params = list(self._params.values())
@@ -215,7 +215,7 @@ class DPSGD:
         return [s.to(dtype=p.dtype) for s, p in zip(sums, params, strict=True)]
 
     def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        grads = self.private_grads()
+        grads = self._private_grads()
         with torch.no_grad():
             for p, g in zip(self._params.values(), grads, strict=True):
                 p.grad = g
