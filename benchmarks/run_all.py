@@ -25,7 +25,7 @@ from _harness import machine  # noqa: E402
 
 ORDER = ["tap_overhead", "monitor_overhead", "compile_overhead", "distributed", "gns_overhead",
          "transform_overhead", "spike_control", "spike_signal", "detect_overhead", "detect_samples",
-         "session_overhead", "per_sample", "conv_double_backward", "store_scale"]
+         "session_overhead", "per_sample", "privacy", "conv_double_backward", "store_scale"]
 
 
 class _Tee(io.TextIOBase):

@@ -212,3 +212,12 @@ def test_spike_signal_quick(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "| regression | 6 | 100 |" in out and "x10 recall, detect (online)" in out
+
+
+def test_privacy_quick(capsys):
+    table = importlib.import_module("privacy").main(["--quick"])
+    rows = [line for line in table.splitlines()[2:]]
+    assert len(rows) == 8  # two models x plain, gt.dp_sgd, Opacus hooks, Opacus ghost
+    for name in ("| plain |", "| gt.dp_sgd |", "| Opacus hooks |", "| Opacus ghost |"):
+        assert sum(name in row for row in rows) == 2
+    assert "MiB" in table

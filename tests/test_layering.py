@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, float, str]] = [
     ("export", 3, "monitor"), ("distributed", 3, "monitor"),
     ("_samples", 2.75, "samples"),
     ("_transform", 3, "transform"), ("_per_sample", 3, "per_sample"), ("_detect", 3, "detect"),
+    ("_privacy", 3, "privacy"),
     ("rules", 4, "rules"), ("integrations", 4.5, "integrations"),
     ("report", 4, "report"), ("demo", 4.5, "demo"), ("demo_spike", 4.5, "demo"), ("_watch", 4.5, "watch"), ("cli", 5, "cli"), ("__main__", 6, "cli"),
 ]

@@ -19,6 +19,7 @@ CONTRACT = {
                    "clip_norm", "clip_value", "ewma", "flip", "normalize", "scale", "stateless",
                    "transform", "TransformHandle", "zero"},
     "spike_control": {"zclip", "adagc", "agc", "adagn", "spam_clip"},
+    "privacy": {"dp_sgd", "poisson_batches"},
 }
 
 

@@ -6,6 +6,7 @@ from gradtap._explain import Explanation, explain
 from gradtap._monitor import Monitor
 from gradtap._monitor.run_spikes import Spike
 from gradtap._per_sample import PerSample, per_sample
+from gradtap._privacy import dp_sgd, poisson_batches
 from gradtap._transform import (
     Transform,
     TransformHandle,
@@ -71,6 +72,7 @@ __all__ = [
     "clip_norm",
     "clip_value",
     "detect",
+    "dp_sgd",
     "ewma",
     "explain",
     "explicit_conv",
@@ -82,6 +84,7 @@ __all__ = [
     "normalize",
     "open_run",
     "per_sample",
+    "poisson_batches",
     "scale",
     "select_modules",
     "select_parameters",

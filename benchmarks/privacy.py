@@ -1,0 +1,189 @@
+"""What a DP-SGD step costs: ``gt.dp_sgd`` vs a plain step vs Opacus (hooks and ghost modes).
+
+Run: .venv/bin/python benchmarks/privacy.py [--quick] [--clock cpu|wall]
+
+Per model, four full training steps (forward, backward, ``optimizer.step()``, ``zero_grad``;
+SGD, mean cross-entropy), each on its own copy of the model: a plain step; ``gt.dp_sgd``
+(``max_grad_norm=1``, ``noise_multiplier=1``, made once); Opacus's ``PrivacyEngine.
+make_private`` with ``grad_sample_mode="hooks"`` (per-sample gradients from its hooks) and
+``"ghost"`` (ghost clipping: per-sample norms in a first backward, the clipped sum in a
+second). Time: median seconds per step over interleaved rounds (``_harness.interleaved``);
+"x plain" is the median over rounds of the variant's time over the plain step's in the same
+round. Peak memory: ``_harness.peak_memory_mib`` of three steps in a fresh subprocess per
+variant (without ``--quick``), over the resident size before the model was built. Models:
+the per-sample benchmark's transformer encoder (``_models.transformer``: Embedding, 2
+``TransformerEncoderLayer``, d=128, 64 tokens; Opacus gets its ``DPMultiheadAttention``
+through ``ModuleValidator.fix``) at batch 32 and the small CNN (``_models.small_cnn``, its
+BatchNorm replaced by GroupNorm: :func:`group_norm_cnn`) at batch 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _models  # noqa: E402
+import gradtap as gt  # noqa: E402
+from _harness import (  # noqa: E402
+    Timing,
+    child_json,
+    interleaved,
+    machine,
+    markdown_table,
+    peak_memory_mib,
+    steps_for,
+)
+
+Step = Callable[[], None]
+LR, C, SIGMA = 0.01, 1.0, 1.0
+
+
+def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _gradtap(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    gt.dp_sgd(model, opt, max_grad_norm=C, sample_rate=0.01, dataset_size=100 * len(x),
+              noise_multiplier=SIGMA, accountant="rdp")
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _opacus(mode: str) -> Callable[[nn.Module, Tensor, Tensor], Step]:
+    def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
+        from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Opacus warns of its secure RNG being off
+            if not ModuleValidator.is_valid(model):
+                model = ModuleValidator.fix(model)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                 batch_size=len(x))
+            engine = PrivacyEngine(accountant="rdp")
+            extra = {"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}
+            made = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                       noise_multiplier=SIGMA, max_grad_norm=C,
+                                       poisson_sampling=False, grad_sample_mode=mode, **extra)
+        if mode == "ghost":
+            dp_model, dp_opt, criterion, _ = made
+        else:
+            (dp_model, dp_opt, _), criterion = made, nn.CrossEntropyLoss()
+
+        def step() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # full backward hook on outputs only
+                criterion(dp_model(x), y).backward()
+                dp_opt.step()
+                dp_opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return make
+
+
+VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
+    "plain": _plain,
+    "gt.dp_sgd": _gradtap,
+    "Opacus hooks": _opacus("hooks"),
+    "Opacus ghost": _opacus("ghost"),
+}
+
+
+def group_norm_cnn(batch: int = 64) -> tuple[nn.Module, Tensor, Tensor]:
+    """``_models.small_cnn`` with each BatchNorm2d replaced by a GroupNorm of 8 groups (DP-SGD
+    needs a sample's output to depend on that sample alone)."""
+    model, x, y = _models.small_cnn(batch=batch)
+    for i, m in enumerate(model):
+        if isinstance(m, nn.BatchNorm2d):
+            model[i] = nn.GroupNorm(8, m.num_features)
+    return model, x, y
+
+
+def _builders(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
+    if quick:
+        return {"transformer, batch 4": lambda: _models.transformer(batch=4, tokens=8, dim=32,
+                                                                    layers=1),
+                "CNN, batch 4": lambda: group_norm_cnn(batch=4)}
+    return {"transformer (_models.transformer), batch 32": lambda: _models.transformer(batch=32),
+            "CNN (small_cnn with GroupNorm), batch 64": group_norm_cnn}
+
+
+def _memory(label: str, variant: str, quick: bool) -> float | None:
+    build = _builders(quick)[label]
+
+    def make() -> Step:
+        step = VARIANTS[variant](*build())
+        step()
+        return step
+
+    return peak_memory_mib(make)
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="this process's CPU time (default) or wall time")
+    parser.add_argument("--memory", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory:
+        print(json.dumps(_memory(*args.memory, quick=False)))
+        return ""
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    rounds = 1 if args.quick else 11
+    rows = []
+    for label, build in _builders(args.quick).items():
+        model, x, y = build()
+        steps = {name: make(copy.deepcopy(model), x, y) for name, make in VARIANTS.items()}
+        n = 1 if args.quick else steps_for(steps["plain"], budget=0.3, cap=50)
+        t = interleaved(steps, steps=n, rounds=rounds, warmup=n, clock=clock)
+        failed = {k: v for k, v in t.items() if isinstance(v, str)}
+        if failed:
+            raise RuntimeError(f"variants failed: {failed}")
+        tt: dict[str, Timing] = t  # type: ignore[assignment]
+        mem: dict[str, float | None] = {}
+        for name in VARIANTS:
+            mem[name] = (_memory(label, name, quick=True) if args.quick else
+                         child_json(__file__, "--memory", label, name))  # type: ignore[assignment]
+        for name in VARIANTS:
+            m, base = mem[name], mem["plain"]
+            rows.append([label, name, f"{tt[name].seconds * 1e3:.1f} ms",
+                         f"{tt[name].ratio:.2f}x", "n/a" if m is None else f"{m:.0f} MiB",
+                         "n/a" if m is None or not base else f"{m / base:.2f}x"])
+    print(f"{machine()}; {args.clock} clock; median of {rounds} interleaved rounds; x plain: "
+          "median over rounds of the step's time over the plain step's in the same round")
+    table = markdown_table(["model", "step", "time per step", "x plain", "peak memory",
+                            "memory x plain"], rows, align="llrrrr")
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""``gt.dp_sgd``: DP-SGD on the per-sample engine (:mod:`gradtap._samples`).
+
+:class:`DPSGD` follows a model's backward with one :class:`~gradtap._samples.engine.PerSample`
+over its trainable parameters (per-sample gradients ``[B, *shape]`` of each, from the layer
+rules, or a ``torch.func`` replay where no rule applies) and, right before each
+``optimizer.step()`` (a :class:`~gradtap.capture.HookSet` optimizer pre-hook), replaces every
+trainable parameter's ``.grad`` with the private gradient::
+
+    (sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)) / (sample_rate * dataset_size)
+
+``clip`` (:func:`clip_coefficients`) gives ``c_i``; the accountant (:mod:`.accounting`)
+counts the step. The exact definition is in docs/semantics.md ("Differentially private
+training").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gradtap._privacy.accounting import Accountant, _check_accountant, calibrate_noise
+from gradtap._privacy.checks import check_noise, check_number, check_rate
+from gradtap._privacy.noise import gaussian_noise
+from gradtap._samples.engine import PerSample
+from gradtap._samples.spec import LossReduction
+from gradtap.capture import HookSet
+from gradtap.errors import UnsupportedModuleError
+
+__all__ = ["CLIP_EPS", "DPSGD", "Clipping", "clip_coefficients", "dp_sgd"]
+
+#: Added to a per-sample norm in the clipping coefficient ``min(1, C / (norm + CLIP_EPS))``.
+CLIP_EPS = 1e-6
+
+Clipping = Literal["flat", "per_layer"]
+
+
+def clip_coefficients(sq_norms: Sequence[Tensor], max_grad_norm: float,
+                      clipping: Clipping) -> list[Tensor]:
+    """Each parameter's clipping coefficients ``[B]`` from its per-sample squared norms.
+
+    ``"flat"``: one coefficient per sample, ``min(1, C / (norm + 1e-6))`` with ``norm`` over
+    all the parameters together (the same tensor for every parameter). ``"per_layer"``: per
+    parameter, with the bound ``C / sqrt(P)`` of ``P`` parameters, so a clipped gradient's
+    total norm is at most ``C`` again.
+
+    >>> import torch
+    >>> from gradtap._privacy.dpsgd import clip_coefficients
+    >>> [c] = clip_coefficients([torch.tensor([4.0, 0.25])], 1.0, "flat")  # norms 2 and 0.5
+    >>> [round(v, 4) for v in c.tolist()]
+    [0.5, 1.0]
+    """
+    if not sq_norms:
+        return []
+    if clipping == "flat":
+        dtype = sq_norms[0].dtype
+        for s in sq_norms[1:]:
+            dtype = torch.promote_types(dtype, s.dtype)
+        device = sq_norms[0].device
+        total = torch.stack([s.to(device=device, dtype=dtype) for s in sq_norms]).sum(0)
+        c = (max_grad_norm / (total.sqrt() + CLIP_EPS)).clamp_(max=1.0)
+        return [c.to(device=s.device, dtype=s.dtype) for s in sq_norms]
+    bound = max_grad_norm / math.sqrt(len(sq_norms))
+    return [(bound / (s.sqrt() + CLIP_EPS)).clamp_(max=1.0) for s in sq_norms]
+
+
+def _batchnorm_in_training(model: nn.Module) -> str | None:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            return f"{name or 'the model'!r} ({type(module).__name__})"
+    return None
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     params: dict[str, nn.Parameter]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"dp_sgd: optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in params.items() if id(p) not in held]
+    if missing:
+        raise ValueError(f"dp_sgd: the optimizer does not hold the model's trainable "
+                         f"parameter(s) {', '.join(map(repr, missing[:5]))}"
+                         f"{' ...' if len(missing) > 5 else ''}: make it over "
+                         f"[p for p in model.parameters() if p.requires_grad]")
+    mine = {id(p) for p in model.parameters()}
+    extra = sum(1 for group in optimizer.param_groups for p in group["params"]
+                if p.requires_grad and id(p) not in mine)
+    if extra:
+        raise ValueError(f"dp_sgd: the optimizer holds {extra} trainable parameter(s) that are "
+                         f"not the model's: they would be stepped without clipping or noise")
+
+
+def _nothing(*_args: Any) -> None:
+    pass
+
+
+class DPSGD:
+    """DP-SGD on a model and its optimizer; made by :func:`gradtap.dp_sgd`.
+
+    Each ``optimizer.step()`` first turns the per-sample gradients of the batch's backward
+    into the private gradient (see :func:`gradtap.dp_sgd`) and counts a step. Attributes:
+    ``noise_multiplier`` (given or calibrated), ``max_grad_norm``, ``sample_rate``,
+    ``dataset_size``, ``clipping``, ``steps`` (taken so far), ``accountant`` (an
+    :class:`~gradtap._privacy.accounting.Accountant`). ``detach()`` (or leaving the ``with``
+    block) removes every hook; the optimizer then steps on ``.grad`` as usual.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 max_grad_norm: float, sample_rate: float, dataset_size: int,
+                 noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 target_delta: float | None = None, steps: int | None = None,
+                 accountant: str = "prv", clipping: Clipping = "flat",
+                 loss_reduction: LossReduction = "mean",
+                 generator: torch.Generator | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"dp_sgd: model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise NotImplementedError(
+                "dp_sgd does not support a DistributedDataParallel model yet: DDP would "
+                "all-reduce the unclipped batch gradient, and each rank would draw its own "
+                "noise; wrap the plain module on a single process")
+        self.max_grad_norm = check_number("max_grad_norm", max_grad_norm, 0.0, math.inf,
+                                          low_open=True, high_open=True,
+                                          meaning="the clipping bound C of each sample's gradient")
+        self.sample_rate = check_rate(sample_rate)
+        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) \
+                or dataset_size < 1:
+            raise ValueError(f"dp_sgd: dataset_size (the number of examples N) must be an int "
+                             f">= 1, got {dataset_size!r}")
+        self.dataset_size = dataset_size
+        if clipping not in ("flat", "per_layer"):
+            raise ValueError(f"dp_sgd: clipping must be 'flat' or 'per_layer', got {clipping!r}")
+        self.clipping: Clipping = clipping
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"dp_sgd: generator must be a torch.Generator or None, "
+                            f"got {type(generator).__name__}")
+        self.generator = generator
+        _check_accountant(accountant)
+        self.noise_multiplier = self._noise(noise_multiplier, target_epsilon, target_delta,
+                                            steps, accountant)
+        self.accountant = Accountant(self.noise_multiplier, self.sample_rate, accountant)
+        where = _batchnorm_in_training(model)
+        if where is not None:
+            raise UnsupportedModuleError(
+                f"dp_sgd: module {where} is in training mode: batch statistics mix the "
+                f"samples, so no sample's gradient is its own; replace it with GroupNorm or "
+                f"LayerNorm (or put it in eval mode)")
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not params:
+            raise ValueError("dp_sgd: the model has no trainable parameter")
+        _check_optimizer(model, optimizer, params)
+        self.optimizer = optimizer
+        # own_grad: autograd skips the batch weight gradients the private step replaces.
+        try:
+            self._ps = PerSample(model, "*", loss_reduction=loss_reduction,
+                                 quantities=("grad",), own_grad=True)
+        except ValueError as err:
+            if "another open" not in str(err):
+                raise
+            raise ValueError(f"dp_sgd: the model is already followed by another dp_sgd (or "
+                             f"per_sample) that computes its .grad: detach that one first "
+                             f"({err})") from None
+        self._params = {name: params[name] for name in self._ps.names}
+        self._hooks = HookSet()
+        try:
+            self._hooks.optimizer_step_pre(optimizer, self._before_step)
+            self._hooks.around_any_grad_scaler_step(self._refuse_scaler, _nothing)
+        except BaseException:
+            self.detach()
+            raise
+
+    def _noise(self, noise_multiplier: float | None, target_epsilon: float | None,
+               target_delta: float | None, steps: int | None, accountant: str) -> float:
+        targets = {"target_epsilon": target_epsilon, "target_delta": target_delta,
+                   "steps": steps}
+        if noise_multiplier is not None:
+            given = [k for k, v in targets.items() if v is not None]
+            if given:
+                raise ValueError(f"dp_sgd: give either noise_multiplier or target_epsilon, "
+                                 f"target_delta and steps, not both (got noise_multiplier "
+                                 f"and {', '.join(given)})")
+            return check_noise(noise_multiplier)
+        absent = [k for k, v in targets.items() if v is None]
+        if len(absent) == len(targets):
+            raise ValueError("dp_sgd: no noise: give noise_multiplier, or target_epsilon, "
+                             "target_delta and steps to calibrate it")
+        if absent:
+            raise ValueError(f"dp_sgd: calibrating the noise needs target_epsilon, "
+                             f"target_delta and steps; missing {', '.join(absent)}")
+        return calibrate_noise(target_epsilon, target_delta, self.sample_rate,  # type: ignore[arg-type]
+                               steps, accountant=accountant)  # type: ignore[arg-type]
+
+    def _private_grads(self) -> list[Tensor]:
+        """The private gradient of each trainable parameter (``.grad`` of the next step), from
+        the per-sample gradients of the backwards since the last step; draws the noise."""
+        params = list(self._params.values())
+        n = self._ps.batch_size
+        if n:
+            per = self._ps.grad
+            grads = [per[name] for name in self._params]
+            sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
+            coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
+            sums = [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
+        else:  # an empty batch, or no backward: a step of noise only
+            sums = [torch.zeros_like(p) for p in params]
+        if self.noise_multiplier > 0:
+            noise = gaussian_noise(sums, self.noise_multiplier * self.max_grad_norm,
+                                   self.generator)
+            torch._foreach_add_(sums, noise)
+        torch._foreach_div_(sums, self.sample_rate * self.dataset_size)
+        return [s.to(dtype=p.dtype) for s, p in zip(sums, params, strict=True)]
+
+    def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        grads = self._private_grads()
+        with torch.no_grad():
+            for p, g in zip(self._params.values(), grads, strict=True):
+                p.grad = g
+        self.accountant.step()
+        self._ps.clear()
+
+    def _refuse_scaler(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+        if optimizer is self.optimizer and scaler.is_enabled():
+            raise NotImplementedError(
+                "dp_sgd does not support a GradScaler yet: the per-sample gradients are those "
+                "of the scaled loss, and clipping them at max_grad_norm would clip at the wrong "
+                "bound; train without loss scaling (bfloat16 autocast needs none)")
+
+    @property
+    def steps(self) -> int:
+        """The steps taken so far (empty batches included)."""
+        return self.accountant.steps
+
+    def epsilon(self, delta: float) -> float:
+        """The privacy spent so far: epsilon at ``delta`` of the steps taken."""
+        return self.accountant.epsilon(delta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accountant's count, for a checkpoint."""
+        return self.accountant.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state)
+
+    def detach(self) -> None:
+        """Remove every hook (safe to call twice); the accountant stays readable."""
+        self._hooks.remove()
+        ps = getattr(self, "_ps", None)
+        if ps is not None:
+            ps.remove()
+
+    def __enter__(self) -> DPSGD:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return (f"<DPSGD {len(self._params)} parameters, noise_multiplier="
+                f"{self.noise_multiplier:g}, max_grad_norm={self.max_grad_norm:g}, "
+                f"clipping={self.clipping!r}, steps={self.steps}>")
+
+
+def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+           sample_rate: float, dataset_size: int, noise_multiplier: float | None = None,
+           target_epsilon: float | None = None, target_delta: float | None = None,
+           steps: int | None = None, accountant: str = "prv", clipping: Clipping = "flat",
+           loss_reduction: LossReduction = "mean",
+           generator: torch.Generator | None = None) -> DPSGD:
+    """Train ``model`` with DP-SGD: from now on each ``optimizer.step()`` is private.
+
+    Right before each step, every trainable parameter's ``.grad`` becomes::
+
+        (sum_i clip(g_i) + N(0, (noise_multiplier * C)^2 I)) / (sample_rate * dataset_size)
+
+    over the samples ``i`` of the batch of the backward(s) since the last step, with ``g_i``
+    sample i's gradient of its term of the loss (as :func:`gradtap.per_sample` defines it:
+    with ``loss_reduction="mean"`` the loss is a mean over the batch, whose ``1/B`` is
+    undone), ``clip(g) = g * min(1, C / (norm(g) + 1e-6))`` with the norm over all trainable
+    parameters together (``clipping="per_layer"``: each parameter on its own, with the bound
+    ``C / sqrt(P)`` for ``P`` trainable parameters), ``C = max_grad_norm``. Frozen
+    parameters take no part. A step without samples (an empty Poisson batch, or no
+    backward) gets the noise alone. Draw the batches with :func:`gradtap.poisson_batches`
+    at ``sample_rate``: the accounting assumes it.
+
+    Args:
+        model: the model; not a ``DistributedDataParallel`` one, and no BatchNorm in
+            training mode.
+        optimizer: an optimizer over the model's trainable parameters (all of them).
+        max_grad_norm: the clipping bound ``C > 0``.
+        sample_rate: each example's probability ``q`` in ``(0, 1]`` of joining a batch.
+        dataset_size: the number of examples ``N``; ``q N`` divides the noisy sum.
+        noise_multiplier: the noise's standard deviation over ``C``; or, instead,
+        target_epsilon, target_delta, steps: the budget to spend in ``steps`` steps, from
+            which the smallest noise multiplier is calibrated.
+        accountant: ``"prv"`` (default), ``"pld"`` or ``"rdp"`` (``dp-accounting``).
+        clipping: ``"flat"`` or ``"per_layer"``.
+        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces its per-sample terms.
+        generator: the ``torch.Generator`` of the noise (torch's default when ``None``).
+
+    Returns:
+        A :class:`DPSGD`: ``dp.epsilon(delta)``, ``dp.steps``, ``dp.noise_multiplier``;
+        ``dp.detach()`` or a ``with`` block removes its hooks.
+
+    Raises:
+        ValueError: a bad argument (``max_grad_norm <= 0``, ``sample_rate`` outside
+            ``(0, 1]``, neither a noise multiplier nor a complete target); an optimizer
+            that does not hold every trainable parameter of the model.
+        UnsupportedModuleError: a BatchNorm in training mode (named).
+        NotImplementedError: a ``DistributedDataParallel`` model; at ``scaler.step(optimizer)``,
+            an enabled ``torch.amp.GradScaler`` (loss scaling is not supported yet).
+        GradtapError: at a step, for parameters whose per-sample gradients neither a rule
+            nor a replay could give (named).
+
+    Example:
+        >>> import torch, gradtap as gt
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> net = torch.nn.Linear(3, 2)
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> dp = gt.dp_sgd(net, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=50,
+        ...                noise_multiplier=1.0, accountant="rdp")
+        >>> x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> torch.nn.functional.cross_entropy(net(x), y).backward()
+        >>> opt.step()
+        >>> dp.steps, dp.epsilon(1e-5) > 0
+        (1, True)
+        >>> dp.detach()
+    """
+    return DPSGD(model, optimizer, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
+                 dataset_size=dataset_size, noise_multiplier=noise_multiplier,
+                 target_epsilon=target_epsilon, target_delta=target_delta, steps=steps,
+                 accountant=accountant, clipping=clipping, loss_reduction=loss_reduction,
+                 generator=generator)
