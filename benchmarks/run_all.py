@@ -23,8 +23,8 @@ sys.path.insert(0, str(HERE))
 
 from _harness import machine  # noqa: E402
 
-ORDER = ["tap_overhead", "monitor_overhead", "compile_overhead", "distributed", "gns_overhead",
-         "transform_overhead", "spike_control", "spike_signal", "detect_overhead",
+ORDER = ["tap_overhead", "monitor_overhead", "monitor_options", "compile_overhead", "distributed",
+         "gns_overhead", "transform_overhead", "spike_control", "spike_signal", "detect_overhead",
          "session_overhead", "per_sample", "conv_double_backward", "store_scale"]
 
 

@@ -118,7 +118,7 @@ def histogram_counts(ts: Sequence[Tensor], edges: Tensor, batched: bool = True,
     return counts
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=64)  # at most 64 x 128 KiB of positions kept
 def sample_positions(numel: int, size: int, device: torch.device) -> Tensor:
     """The ``size`` flat positions a histogram samples in a tensor of ``numel`` elements:
     ``floor(frac(j * phi) * numel)`` for ``j = 0 .. size - 1``, ``phi = (sqrt(5) - 1) / 2``
