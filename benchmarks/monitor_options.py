@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--models", default="cnn,lm", help="comma-separated subset of cnn, lm")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variant names (plain and plain again always run)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 11)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round (default 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     keys = [k.strip() for k in args.models.split(",")]
     if set(keys) - set(work):
         raise SystemExit(f"--models: choose from {', '.join(work)}")
-    rounds = args.rounds or (1 if args.quick else 7)
+    rounds = args.rounds or (1 if args.quick else 11)
     steps = args.steps or (1 if args.quick else 4)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     threads = torch.get_num_threads()
