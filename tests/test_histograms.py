@@ -84,7 +84,7 @@ def test_a_sampled_histogram_estimates_the_exact_one():
     assert abs(est.sum() - x.numel()) <= len(est) / 2  # each bin rounded
     share = exact / exact.sum()
     big = share > 0.02
-    # 16,384 samples: a bin holding a share p is off by about sqrt(p (1 - p) / 16384)
+    # HIST_SAMPLE samples: a bin holding a share p is off by about sqrt(p (1 - p) / HIST_SAMPLE)
     np.testing.assert_allclose(est[big] / exact.sum(), share[big],
                                atol=4 * np.sqrt(0.25 / hist.HIST_SAMPLE))
 

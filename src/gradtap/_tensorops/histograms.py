@@ -23,7 +23,7 @@ __all__ = ["HIST_SAMPLE", "hist_edges", "histogram_counts", "sample_positions"]
 
 #: A tensor of more than this many elements gets the histogram of this many of its elements,
 #: scaled to its size (:func:`histogram_counts`).
-HIST_SAMPLE = 1 << 14
+HIST_SAMPLE = 1 << 13
 _PHI = (math.sqrt(5.0) - 1.0) / 2.0
 
 
@@ -118,7 +118,7 @@ def histogram_counts(ts: Sequence[Tensor], edges: Tensor, batched: bool = True,
     return counts
 
 
-@lru_cache(maxsize=64)  # at most 64 x 128 KiB of positions kept
+@lru_cache(maxsize=64)  # at most 64 x 64 KiB of positions kept (HIST_SAMPLE int64 each)
 def sample_positions(numel: int, size: int, device: torch.device) -> Tensor:
     """The ``size`` flat positions a histogram samples in a tensor of ``numel`` elements:
     ``floor(frac(j * phi) * numel)`` for ``j = 0 .. size - 1``, ``phi = (sqrt(5) - 1) / 2``
