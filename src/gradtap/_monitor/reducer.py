@@ -8,9 +8,9 @@ Three shapes of job:
 * tensors read at the step (``param_grad``, ``param``, ``update``): moments on the host side
   are completed lazily (non-finite counts, two-pass ``m2`` for a dominant mean);
 * parts recorded during backward (``grad_output``, one part per call), combined per name on
-  the host: on the CPU finished at once, while the call's tensors are alive (the lazy
-  non-finite counts and two-pass ``m2`` of the first shape, paid only where needed); on other
-  devices exact moments launched in the hook, read with the step's copy;
+  the host: on the CPU finished at once, while the call's tensors are alive (lazy non-finite
+  counts and two-pass ``m2`` only where needed, as for the tensors read at the step); on
+  other devices exact moments launched in the hook, read with the step's copy;
 * rank-local tensors or shards under a process group (``grad_output``, ``local_grads``, every
   parameter kind of a sharded model): exact moments, combined per name and reduced across
   ranks on the device before the copy. All such jobs of a step share one
