@@ -23,9 +23,10 @@ sys.path.insert(0, str(HERE))
 
 from _harness import machine  # noqa: E402
 
-ORDER = ["tap_overhead", "monitor_overhead", "compile_overhead", "distributed", "gns_overhead",
-         "transform_overhead", "spike_control", "spike_signal", "detect_overhead", "detect_samples",
-         "session_overhead", "per_sample", "privacy", "conv_double_backward", "store_scale"]
+ORDER = ["tap_overhead", "monitor_overhead", "monitor_options", "compile_overhead", "distributed",
+         "gns_overhead", "transform_overhead", "spike_control", "spike_signal", "detect_overhead",
+         "detect_samples", "session_overhead", "per_sample", "privacy", "conv_double_backward",
+         "store_scale"]
 
 
 class _Tee(io.TextIOBase):

@@ -26,6 +26,22 @@ def test_compile_overhead_quick(capsys):
     assert table.count("\n") == 3  # header, rule, two models
 
 
+def test_monitor_options_quick(capsys):
+    """benchmarks/monitor_options.py: a row per option (every stat, kind and histogram, all
+    options together) with time, ratio and spread on both models."""
+    bench = importlib.import_module("monitor_options")
+    table = bench.main(["--quick"])
+    rows = table.splitlines()[2:]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == list(bench.options())
+    from gradtap._monitor.options import KINDS, STAT_NAMES
+
+    assert {f"stat {s}" for s in STAT_NAMES} | {f"kind {k}" for k in KINDS} <= set(bench.options())
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert len(cells) == 7 and "fails" not in row, row
+        assert all(c.endswith(" ms") for c in cells[1::3]) and all(c.endswith("x") for c in cells[2::3])
+
+
 def test_run_all_rejects_unknown(capsys):
     with pytest.raises(SystemExit):
         importlib.import_module("run_all").main(["no_such_benchmark"])

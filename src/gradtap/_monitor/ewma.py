@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradtap._tensorops import ewma_init, ewma_update_finite_, group_norms
+from gradtap._tensorops import ewma_init, ewma_update_, ewma_update_finite_, group_norms
 
 __all__ = ["GradEwma", "unknown_name"]
 
@@ -50,7 +50,12 @@ class GradEwma:
                     self._state[name] = ewma_init(g)
                     self._updates[name] = 1
             else:
-                ewma_update_finite_(state[0], state[1], g, self.beta)
+                if g.device.type == "cpu" and bool(torch.isfinite(g.sum())):
+                    # all finite (a NaN/Inf element makes the sum NaN/Inf): on the CPU reading
+                    # that waits for nothing, and spares the masked update's passes
+                    ewma_update_(state[0], state[1], g, self.beta)
+                else:
+                    ewma_update_finite_(state[0], state[1], g, self.beta)
                 self._updates[name] += 1
 
     def state(self, name: str) -> tuple[Tensor, Tensor]:

@@ -111,7 +111,9 @@ class Monitor:
         ewma: factor ``beta`` of an elementwise EWMA of each parameter gradient
             (``m = g, v = 0``, then ``d = g - m; m += (1 - beta) d; v = beta (v + (1 - beta) d^2)``);
             ``None`` turns it off. Advanced on computed steps, from the global gradient.
-        hist_bins: number of histogram bins per tensor and step (``None``: no histograms).
+        hist_bins: number of histogram bins per tensor and step (``None``: no histograms);
+            exact for tensors of up to 8,192 elements, above that estimated from 8,192
+            elements at fixed positions (``docs/semantics.md``, "Exact and sampled histograms").
         every: compute every ``every`` steps.
         store: run directory for a crash-safe SQLite store (``None``: keep in memory).
         hist_scale: ``"symlog"`` (default) or ``"linear"`` bins.

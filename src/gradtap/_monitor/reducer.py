@@ -7,8 +7,10 @@ Three shapes of job:
 
 * tensors read at the step (``param_grad``, ``param``, ``update``): moments on the host side
   are completed lazily (non-finite counts, two-pass ``m2`` for a dominant mean);
-* parts recorded during backward (``grad_output``, one part per call): exact moments, combined
-  per name on the host;
+* parts recorded during backward (``grad_output``, one part per call), combined per name on
+  the host: on the CPU finished at once, while the call's tensors are alive (lazy non-finite
+  counts and two-pass ``m2`` only where needed, as for the tensors read at the step); on
+  other devices exact moments launched in the hook, read with the step's copy;
 * rank-local tensors or shards under a process group (``grad_output``, ``local_grads``, every
   parameter kind of a sharded model): exact moments, combined per name and reduced across
   ranks on the device before the copy. All such jobs of a step share one
@@ -17,6 +19,7 @@ Three shapes of job:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +34,12 @@ from gradtap._tensorops import moments as ops_moments
 
 __all__ = ["Part", "StepReducer"]
 
-#: One call's grad_output tensors: their names, element counts and grouped device moments.
-Part = tuple[list[str], np.ndarray, list[tuple[list[int], Moments[Tensor]]]]
+#: One call's grad_output tensors: their names, element counts and either grouped device
+#: moments or (CPU) the refined moments, already on the host.
+Part = tuple[list[str], np.ndarray, list[tuple[list[int], Moments[Tensor]]] | Moments[np.ndarray]]
+
+#: Reduction plans of grad_output calls kept (one per distinct list of output shapes).
+_PART_PLANS = 256
 
 
 #: The element counts of a job without rows (shared, never written to).
@@ -81,6 +88,7 @@ class StepReducer:
         self._scratch = ops.Scratch()
         self._exact_names: dict[str, set[str]] = {}
         self._plans: dict[str, tuple[tuple[Any, ...], ops.MomentPlan]] = {}
+        self._part_plans: OrderedDict[tuple[Any, ...], ops.MomentPlan] = OrderedDict()
         self._reduction: distributed.Reduction | None = None
 
     # -- the step's reduction across ranks ---------------------------------------------------
@@ -106,11 +114,46 @@ class StepReducer:
     # -- queueing (device work only, no host sync) -------------------------------------------
 
     def part(self, keys: list[str], tensors: list[Tensor]) -> Part:
-        """Launch the exact moments of one call's tensors (inside backward)."""
+        """The moments of one call's tensors (inside backward): on the CPU finished on the
+        host now (nothing to wait for there); on other devices exact moments launched on the
+        device, no host sync."""
+        if not self.reduce and all(t.device.type == "cpu" for t in tensors):
+            return self._host_part(keys, tensors)
         count = np.array([t.numel() for t in tensors], dtype=np.float64)
         groups = ops.tensor_moments(tensors, self._needs_exact, edges=self.edges,
                                     exact_m2=True, scratch=self._scratch)
         return keys, count, groups
+
+    def _host_part(self, keys: list[str], tensors: list[Tensor]) -> Part:
+        """A CPU call's refined moments, as the parameter kinds get theirs: one plan's
+        kernels, then exact non-finite counts and two-pass ``m2`` only for the rows that need
+        them (the tensors are still alive)."""
+        signature = ops.MomentPlan.signature(tensors)
+        plan = self._part_plans.get(signature)
+        if plan is None:
+            plan = self._part_plans[signature] = ops.MomentPlan(tensors, self._needs)
+            if len(self._part_plans) > _PART_PLANS:
+                self._part_plans.popitem(last=False)
+        if plan.order is not None:
+            keys = [keys[i] for i in plan.order]
+            tensors = [tensors[i] for i in plan.order]
+        copy = HostCopy()
+        get = plan.queue(tensors, copy, self._scratch)
+        hist = self._queue_hist(plan, tensors, copy)
+        copy.run()
+        raw = get() if hist is None else {**get(), "hist": hist()}
+        refined, _ = ops.complete_fields(tensors, plan.count, raw, self._needs,
+                                         scratch=self._scratch)
+        return keys, plan.count, refined
+
+    def _queue_hist(self, plan: ops.MomentPlan, tensors: list[Tensor], copy: HostCopy
+                    ) -> Callable[[], np.ndarray] | None:
+        """Queue the histograms of a plan's tensors (in its order) on ``copy``."""
+        if self.edges is None:
+            return None
+        edges = self.edges
+        return copy.add_rows([(idx, ops.histogram_counts([tensors[i].detach() for i in idx], edges))
+                              for idx, _, _ in plan.groups], len(tensors))
 
     def tensors(self, kind: str, names: list[str], tensors: list[Tensor], copy: HostCopy) -> _Job:
         """A job over tensors that stay alive until :meth:`finish`.
@@ -128,12 +171,8 @@ class StepReducer:
         job = _Job(kind, names)
         job.tensors = tensors
         job.count = plan[1].count
-        job.gather = plan[1].queue(tensors, copy)
-        if self.edges is not None:
-            edges = self.edges
-            job.hist = copy.add_rows(
-                [(idx, ops.histogram_counts([tensors[i].detach() for i in idx], edges))
-                 for idx, _, _ in plan[1].groups], len(tensors))
+        job.gather = plan[1].queue(tensors, copy, self._scratch)
+        job.hist = self._queue_hist(plan[1], tensors, copy)
         known = self._exact_names.get(kind)
         if known and self._needs.std:
             rows = np.array([i for i, n in enumerate(names) if n in known], dtype=np.int64)
@@ -153,15 +192,20 @@ class StepReducer:
         job = _Job("grad_output", names)
         count = np.concatenate([c for _, c, _ in pending])
         if self.reduce:
-            fields = Moments.cat([_assemble(groups, len(k)) for k, _, groups in pending])
+            # (a reducing step's parts are all device moments: part() keeps them there)
+            fields = Moments.cat([_assemble(groups, len(k)) for k, _, groups in pending
+                                  if not isinstance(groups, Moments)])
             job.reduced = self.reduction.add_moments(count, fields, group, names)
             return job
         job.count = count
-        gathers = [ops.host_moments(groups, len(c), copy) for _, c, groups in pending]
+        gathers = [_refined_part(c, groups, copy) for _, c, groups in pending]
         job.group = group
 
         def gather() -> Moments[np.ndarray]:
-            return Moments.cat([g() for g in gathers])
+            parts = [g() for g in gathers]
+            common = set.intersection(*(set(p) for p in parts))  # CPU and device parts mixed
+            return Moments.cat([Moments.coerce({f: v for f, v in p.items() if f in common})
+                                for p in parts])
 
         job.gather = gather
         return job
@@ -210,10 +254,9 @@ class StepReducer:
             return [], job.count, Moments()
         raw = job.gather()
         count = job.count
-        if job.group is not None:  # parts (calls) with exact fields: combine them
+        if job.group is not None:  # parts (calls), refined: combine them
             assert isinstance(raw, Moments)
-            refined = ops.refine_fields(count, raw)
-            count, refined = ops.combine_parts(count, refined, job.group, len(job.names))
+            count, refined = ops.combine_parts(count, raw, job.group, len(job.names))
             return job.names, count, refined
         exact = None if job.exact is None else (job.exact[0], job.exact[1]())
         if job.hist is not None:
@@ -226,6 +269,15 @@ class StepReducer:
     def columns(self, count: np.ndarray, fields: Moments[np.ndarray]) -> dict[str, np.ndarray]:
         """The statistics, one array per stat name in :attr:`stats` order."""
         return ops.finish_stats(count, fields, self.stats)
+
+
+def _refined_part(count: np.ndarray, moments: Moments[np.ndarray] | list[tuple[list[int], Moments[Tensor]]],
+                  copy: HostCopy) -> Callable[[], Moments[np.ndarray]]:
+    """After ``copy.run()``, one part's refined moments (a CPU part has them already)."""
+    if isinstance(moments, Moments):
+        return lambda: moments
+    get = ops.host_moments(moments, len(count), copy)
+    return lambda: ops.refine_fields(count, get())
 
 
 def _assemble(groups: list[tuple[list[int], Moments[Tensor]]], n: int) -> Moments[Tensor]:

@@ -6,7 +6,7 @@ Everything here works on plain tensors and knows nothing about modules or hooks.
 * :mod:`~gradtap._tensorops.host`       the one device-to-host copy per step
 * :mod:`~gradtap._tensorops.l2`         L2 norms and accurate sums of squares, batched
 * :mod:`~gradtap._tensorops.ewma`       the elementwise EWMA of mean and variance
-* :mod:`~gradtap._tensorops.histograms` bin edges and batched bin counts
+* :mod:`~gradtap._tensorops.histograms` bin edges and batched bin counts (sampled above a size)
 * :mod:`~gradtap._tensorops.moments`    typed per-tensor moments and their device kernels
 * :mod:`~gradtap._tensorops.plan`       a reduction plan kept from step to step (``MomentPlan``)
 * :mod:`~gradtap._tensorops.finish`     moments to statistics on the host
@@ -21,7 +21,7 @@ from gradtap._tensorops.finish import (
     unreliable_m2,
 )
 from gradtap._tensorops.groups import Scratch, group_by_device_dtype
-from gradtap._tensorops.histograms import hist_edges, histogram_counts
+from gradtap._tensorops.histograms import HIST_SAMPLE, hist_edges, histogram_counts
 from gradtap._tensorops.host import HostCopy, to_host
 from gradtap._tensorops.l2 import group_norms, group_sumsq, norms
 from gradtap._tensorops.moments import (
@@ -40,6 +40,7 @@ from gradtap._tensorops.moments import (
 from gradtap._tensorops.plan import MomentPlan
 
 __all__ = [
+    "HIST_SAMPLE",
     "MAX_FIELDS",
     "STAT_NAMES",
     "SUM_FIELDS",

@@ -82,7 +82,7 @@ def complete_fields(
     """Finish the host side of one step's moments for ``tensors`` (still alive).
 
     Takes exact non-finite counts where min/max show a NaN/Inf (when ``needs`` left them
-    lazy) and two-pass ``m2`` for rows :func:`unreliable_m2` flags and ``exact`` lacks; both
+    lazy), exact nonzero counts where the lazy one is NaN, and two-pass ``m2`` for rows :func:`unreliable_m2` flags and ``exact`` lacks; both
     are rare and share one extra, small transfer. Then refines (:func:`refine_fields`).
 
     Args:
@@ -112,6 +112,13 @@ def complete_fields(
             later = HostCopy()
             lazy_nf = (flagged, later.add(torch.stack(
                 [(~torch.isfinite(tensors[int(i)].detach())).sum() for i in flagged])))
+    lazy_nz = None
+    if needs.lazy_nonzero and np.isnan(m["nonzero"]).any():  # a NaN element (see _nonzero)
+        m.nonzero = m["nonzero"].copy()
+        flagged = np.flatnonzero(np.isnan(m.nonzero))
+        later = later or HostCopy()
+        lazy_nz = (flagged, later.add(torch.stack(
+            [tensors[int(i)].detach().count_nonzero() for i in flagged])))
     unreliable = unreliable_m2(count, m) if needs.std else np.zeros(0, dtype=np.int64)
     rows = exact[0] if exact is not None else np.zeros(0, dtype=np.int64)
     ef = Moments.coerce(exact[1]) if exact is not None else None
@@ -127,6 +134,9 @@ def complete_fields(
     if lazy_nf is not None:
         assert later is not None
         m["nonfinite"][lazy_nf[0]] = later.get(lazy_nf[1])
+    if lazy_nz is not None:
+        assert later is not None
+        m["nonzero"][lazy_nz[0]] = later.get(lazy_nz[1])
     if gather is not None:
         extra = gather()
         rows = np.concatenate([rows, missing])

@@ -206,6 +206,7 @@ class Needs:
     nonfinite: bool = False
     nonzero: bool = False
     lazy_nonfinite: bool = False
+    lazy_nonzero: bool = False
 
     def fields(self) -> tuple[str, ...]:
         """Names of the fields computed on the device, in a fixed order."""
@@ -232,7 +233,8 @@ def needs_for(stats: Iterable[str], *, exact_nonfinite: bool = False) -> Needs:
     """Return the moment fields needed to finish ``stats``.
 
     With ``exact_nonfinite=False`` the non-finite count is left to a lazy pass over only the
-    tensors whose min/max show a non-finite element (``complete_fields``).
+    tensors whose min/max show a non-finite element, and on the CPU the nonzero count of a
+    tensor with a NaN to a pass over it alone (``complete_fields``).
     """
     s = set(check_stats(stats))
     std = "std" in s
@@ -244,6 +246,7 @@ def needs_for(stats: Iterable[str], *, exact_nonfinite: bool = False) -> Needs:
         nonfinite="nonfinite" in s and exact_nonfinite,
         nonzero="zero_frac" in s,
         lazy_nonfinite="nonfinite" in s and not exact_nonfinite,
+        lazy_nonzero="zero_frac" in s and not exact_nonfinite,
     )
 
 
@@ -349,6 +352,7 @@ class _Layout:
         k = len(numels)
         self.k = k
         self.needs = needs
+        self.cpu = cpu
         # blocks of each tensor (long CPU tensors only) and which tensors leave a short piece
         self.blocks = [n // BLOCK if cpu and n > BLOCK else 0 for n in numels]
         self.short = [not q or bool(n % BLOCK) for q, n in zip(self.blocks, numels)]
@@ -382,10 +386,11 @@ class _Layout:
                              dtype=np.int64).reshape(len(self.slices), k)
         self._device_index: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def launch(self, ts: Sequence[Tensor], acc: torch.dtype, extra: Sequence[Tensor] = ()
-               ) -> Tensor:
+    def launch(self, ts: Sequence[Tensor], acc: torch.dtype, extra: Sequence[Tensor] = (),
+               scratch: Scratch | None = None) -> Tensor:
         """Run the kernels over ``ts`` (this layout's tensors): the flat float64 buffer of
-        :attr:`size` elements, followed by the elements of ``extra`` (1-d) if any."""
+        :attr:`size` elements, followed by the elements of ``extra`` (1-d) if any.
+        ``scratch``: work buffers for the passes that need a temporary (CPU nonzero counts)."""
         needs = self.needs
         scalars: list[Tensor] = []
         rows: list[Tensor] = []
@@ -417,7 +422,7 @@ class _Layout:
             # x * 0 is 0 for finite x and NaN for NaN/Inf, and count_nonzero counts NaN.
             counts += [(t * 0).count_nonzero() for t in ts]
         if needs.nonzero:
-            counts += [t.count_nonzero() for t in ts]
+            counts += [_nonzero(t, self.cpu and needs.lazy_nonzero, scratch) for t in ts]
         parts = [torch.stack(scalars)] if scalars else []
         parts += rows
         if counts:  # exact in float64 (float32 would round counts above 2**24)
@@ -460,6 +465,22 @@ class _Layout:
             pieces = flat[self.sq_pos]
             out["sumsq"] = np.bincount(self.sq_index, weights=pieces * pieces, minlength=self.k)
         return out
+
+
+#: Counts of 0/1 values summed in float32 are exact up to this many elements.
+_F32_EXACT = 1 << 24
+
+
+def _nonzero(t: Tensor, lazy: bool, scratch: Scratch | None = None) -> Tensor:
+    """The count of elements != 0. ``lazy`` (CPU): ``count_nonzero`` is a scalar loop there,
+    far slower than vectorised passes summing ``ceil(min(|x|, 1))`` (1 for every nonzero,
+    exact for float32/float64 tensors of up to 2**24 elements); that sum is NaN where ``t``
+    holds a NaN, and ``complete_fields`` then counts the tensor exactly. The temporary is
+    a ``scratch`` buffer when one is given (a fresh one costs page faults)."""
+    if lazy and t.dtype in (torch.float32, torch.float64) and t.numel() <= _F32_EXACT:
+        out = None if scratch is None else scratch.get(t.numel(), t.device, t.dtype).view(t.shape)
+        return torch.abs(t, out=out).clamp_(max=1.0).ceil_().sum()
+    return t.count_nonzero()
 
 
 @lru_cache(maxsize=256)

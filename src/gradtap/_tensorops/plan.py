@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradtap._tensorops.groups import group_by_device_dtype
+from gradtap._tensorops.groups import Scratch, group_by_device_dtype
 from gradtap._tensorops.host import HostCopy
 from gradtap._tensorops.moments import Needs, _Layout, _layout
 
@@ -82,9 +82,10 @@ class MomentPlan:
         """What a plan depends on: each tensor's device, dtype and element count."""
         return tuple((t.device, t.dtype, t.numel()) for t in tensors)
 
-    def queue(self, tensors: Sequence[Tensor], copy: HostCopy) -> Callable[[], dict[str, np.ndarray]]:
+    def queue(self, tensors: Sequence[Tensor], copy: HostCopy, scratch: Scratch | None = None
+              ) -> Callable[[], dict[str, np.ndarray]]:
         """Launch the kernels over ``tensors`` (in :attr:`order`) and queue their buffers on
-        ``copy``. Returns a function that, after ``copy.run()``, gives each field as a float64
+        ``copy`` (``scratch``: work buffers for the kernels that need a temporary). Returns a function that, after ``copy.run()``, gives each field as a float64
         array [n] (in :attr:`order`).
 
         On the CPU, the small tensors of a group (see :data:`HOST_REDUCED`) have no kernels of
@@ -97,7 +98,7 @@ class MomentPlan:
                 n_rest = len(ts) - (0 if host is None else len(host.starts))
                 extra = ([torch.cat([t.reshape(-1) for t in ts[n_rest:]])]
                          if host is not None else [])
-                flat = (layout.launch(ts[:n_rest] if extra else ts, acc, extra)
+                flat = (layout.launch(ts[:n_rest] if extra else ts, acc, extra, scratch)
                         if layout is not None else extra[0].to(torch.float64))
                 handles.append(copy.add(flat, owned=True))
         if self._in_order:
