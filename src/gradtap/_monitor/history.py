@@ -27,6 +27,7 @@ from gradtap.store import (
     build_frame,
     filter_series,
     missing_message,
+    series_kind,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -175,12 +176,14 @@ class MemoryRun:
         """Seconds since the epoch at which each step was stored, by step."""
         return dict(zip(self._steps, self._times))
 
-    def series(self, name: str, stat: str, kind: str = "param_grad") -> tuple[np.ndarray, np.ndarray]:
-        """``(steps, values)`` of one statistic.
+    def series(self, name: str, stat: str, kind: str | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one statistic (``kind`` as in ``Run.series``).
 
         Raises:
             KeyError: no such series (the message names close matches).
         """
+        kind = series_kind(name, kind, lambda k: (name, k, stat) in self._series)
         try:
             sid = self._series.index((name, kind, stat))
         except ValueError:

@@ -331,7 +331,7 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
             data.spikes, data.clipped = _spike_events(run, reader,
                                                       _order(names, meta, "param_grad"), steps)
         spiking = [e["name"] for e in data.spikes]
-        for kind in ("param_grad", "grad_output"):
+        for kind in ("param_grad", "grad_output", "health"):
             if kind not in kinds:
                 continue
             known = reader.names("norm", kind)

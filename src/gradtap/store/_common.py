@@ -7,7 +7,7 @@ import difflib
 import fnmatch
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +28,13 @@ SCHEMA_VERSION = 2
 APPLICATION_ID = 0x67747031
 
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
+#: The kind of the step's own rows: the loss (``"<loss>"``) and the grad scaler
+#: (``"<scaler>"``); runs stored before it have them as kind ``param_grad``.
+HEALTH_KIND = "health"
+#: The names of the rows of kind :data:`HEALTH_KIND`.
+HEALTH_NAMES = ("<loss>", "<scaler>")
+#: Every kind a run stores: the Monitor's kinds, then the step's own rows.
+STORED_KINDS = (*KIND_NAMES, HEALTH_KIND)
 #: Every stat a run stores: the moments' statistics, then those of particular kinds.
 ALL_STAT_NAMES = (*STAT_NAMES, "ratio", "cosine", "amp_scale", "zscore", "clip_factor", "gain",
                   "gns", "gns_trace", "gns_sqnorm", "value")
@@ -183,6 +190,17 @@ def _as_list(x: str | Iterable[str] | None) -> list[str] | None:
     return [x] if isinstance(x, str) else list(x)
 
 
+def series_kind(name: str, kind: str | None, has: Callable[[str], bool]) -> str:
+    """The kind ``series(name, stat, kind)`` reads: ``kind``, else ``"param_grad"`` or, for a
+    name of :data:`HEALTH_NAMES`, ``"health"`` (``"param_grad"`` in a run stored before the
+    health kind, where ``has("health")``, whether that series exists, is false)."""
+    if kind is not None:
+        return kind
+    if name in HEALTH_NAMES and has(HEALTH_KIND):
+        return HEALTH_KIND
+    return "param_grad"
+
+
 def filter_series(
     series: Sequence[tuple[str, str, str]],
     names: str | Sequence[str] | None,
@@ -191,7 +209,7 @@ def filter_series(
 ) -> list[int]:
     """Ids of the series ``(name, kind, stat)`` that pass the filters of ``frame()``."""
     stat_list, kind_list, name_list = _as_list(stats), _as_list(kinds), _as_list(names)
-    for given, valid, what in ((stat_list, ALL_STAT_NAMES, "stat"), (kind_list, KIND_NAMES, "kind")):
+    for given, valid, what in ((stat_list, ALL_STAT_NAMES, "stat"), (kind_list, STORED_KINDS, "kind")):
         bad = [g for g in given or () if g not in valid]
         if bad:
             raise ValueError(f"unknown {what} name(s) {', '.join(map(repr, bad))}; valid "
