@@ -28,6 +28,7 @@ from gradtap.store import (
     filter_series,
     missing_message,
     series_kind,
+    writer_identity,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +46,8 @@ class MemoryRun:
     reference to its (shared) array of series ids.
 
     Args:
-        meta: the run metadata (``status`` and ``schema_version`` are added, as a store does).
+        meta: the run metadata (``status``, ``writer`` and ``schema_version`` are added, as a
+            store does).
 
     Example:
         >>> import numpy as np
@@ -56,7 +58,8 @@ class MemoryRun:
     """
 
     def __init__(self, meta: dict[str, Any]) -> None:
-        self._meta = _plain({**meta, "status": "running", "schema_version": SCHEMA_VERSION})
+        self._meta = _plain({**meta, "status": "running", "writer": writer_identity(),
+                             "schema_version": SCHEMA_VERSION})
         self._series: list[tuple[str, str, str]] = []
         self._steps: list[int] = []
         self._times: list[float] = []

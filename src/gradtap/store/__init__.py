@@ -25,6 +25,7 @@ from gradtap.store._common import (
     import_pandas,
     missing_message,
     series_kind,
+    writer_identity,
 )
 from gradtap.store._reader import Run, open_run
 from gradtap.store._writer import RunWriter, set_run_meta
@@ -34,4 +35,4 @@ from gradtap.store._writer import RunWriter, set_run_meta
 __all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run",
            "set_run_meta", "ALL_STAT_NAMES", "APPLICATION_ID", "HEALTH_KIND", "HEALTH_NAMES",
            "KIND_NAMES", "NO_HISTOGRAMS", "STORED_KINDS", "build_frame", "filter_series",
-           "import_pandas", "missing_message", "series_kind"]
+           "import_pandas", "missing_message", "series_kind", "writer_identity"]

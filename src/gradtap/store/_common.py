@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
+import socket
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -188,6 +190,47 @@ def _as_list(x: str | Iterable[str] | None) -> list[str] | None:
     if x is None:
         return None
     return [x] if isinstance(x, str) else list(x)
+
+
+def writer_identity() -> dict[str, Any]:
+    """The writing process, stored as the run's ``writer``: its pid, host and start time (the
+    kernel's, where ``/proc`` has it: a pid reused by another process has another)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid())}
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time in clock ticks after boot (``/proc/PID/stat``), ``"Z"``
+    for a zombie (exited, not reaped yet), None where not readable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "Z" if fields[0] in ("Z", "X") else fields[19] if len(fields) > 19 else None
+
+
+def live_status(meta: dict[str, Any]) -> str:
+    """The run's ``status``, ``"killed"`` for a ``"running"`` run whose writer (on this host)
+    is gone: its pid is free, a zombie, or another process's. A run written on another host,
+    or before the writer was stored, keeps its stored status."""
+    status = str(meta.get("status"))
+    writer = meta.get("writer")
+    if status != "running" or os.name != "posix" or not isinstance(writer, dict):
+        return status
+    pid = writer.get("pid")
+    if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
+            or writer.get("host") != socket.gethostname()):
+        return status
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return "killed"
+    except PermissionError:
+        pass  # it exists, as another user
+    now = _started(pid)
+    if now == "Z" or (now is not None and writer.get("started") not in (None, now)):
+        return "killed"
+    return status
 
 
 def series_kind(name: str, kind: str | None, has: Callable[[str], bool]) -> str:

@@ -22,6 +22,7 @@ from gradtap.store._common import (
     Histogram,
     build_frame,
     filter_series,
+    live_status,
     missing_message,
     series_kind,
     series_table,
@@ -108,8 +109,9 @@ class Run:
 
     @property
     def status(self) -> str:
-        """``"running"`` (being written, or the writer died), ``"finished"`` or ``"failed"``."""
-        return str(self.meta.get("status"))
+        """``"running"`` (being written), ``"finished"``, ``"failed"`` or ``"killed"``: stored
+        as running, but its writing process (on this host) is gone (see ``docs/run-store.md``)."""
+        return live_status(self.meta)
 
     @property
     def steps(self) -> list[int]:
