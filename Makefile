@@ -21,11 +21,12 @@ $(STAMP): pyproject.toml constraints.txt
 	@! $(PY) -m pip list 2>/dev/null | grep -i '^nvidia-' || (echo "nvidia-* packages found in .venv" && false)
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo's own install; a .venv that has everything (the stamp above) has it too.
+# The demo's own install, in one pip run; a .venv that has everything (the stamp above) has it
+# too. --no-compile: Python compiles the modules the demo imports when it imports them, not
+# every file of torch up front.
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) -e ".[demo]"
+	$(PIP) --no-compile torch==2.13.0 -e ".[demo]"
 	@! $(PY) -m pip list 2>/dev/null | grep -i '^nvidia-' || (echo "nvidia-* packages found in .venv" && false)
 	touch $(DEMO_STAMP)
 
