@@ -237,3 +237,42 @@ def test_detect_finds_x10_spikes_in_one_tensor_a_linear_bias_included():
 
 def test_detect_reports_nothing_on_a_healthy_decaying_run():
     assert _detect_run({}) == []
+
+
+def _shared_noise_table(steps: int = 200, seed: int = 3) -> np.ndarray:
+    """Log-norms of six tensors: 0 and 1 (a layer's weight and bias) share a large
+    step-to-step noise (0.5 in log units) and differ by little (0.05); 2-5 are steady."""
+    rng = np.random.default_rng(seed)
+    shared = rng.normal(0, 0.5, steps)
+    logs = np.stack([shared + rng.normal(0, 0.05, steps), shared + rng.normal(0, 0.05, steps),
+                     *(rng.normal(0, 0.1, steps) for _ in range(4))], axis=1)
+    return np.exp(logs - np.arange(steps)[:, None] / 100)  # a falling trend
+
+
+def test_a_x10_hidden_in_a_noisy_tensor_is_found_against_its_partner():
+    table = _shared_noise_table()
+    assert np.nanmax(scores(table)[WARMUP:]) < THRESHOLD  # healthy: nothing flagged
+    hits = 0
+    for t in range(100, 200, 5):
+        spiked = table.copy()
+        spiked[t, 1] *= 10
+        z = scores(spiked)
+        hits += bool(z[t, 1] > THRESHOLD)
+        assert np.flatnonzero(z[t] > THRESHOLD).tolist() in ([], [1])
+    assert hits == 20
+    # the partner's dip is no spike of the tensor (the pair's jump counts only where the
+    # tensor itself rose against the step)
+    dipped = table.copy()
+    dipped[150, 0] /= 10
+    assert not (scores(dipped)[150] > THRESHOLD).any()
+
+
+def test_without_the_partner_the_same_x10_is_mostly_missed():
+    # What the pairing adds: the same trials scored with tensor 0 left out.
+    table = _shared_noise_table()[:, 1:]
+    missed = 0
+    for t in range(100, 200, 5):
+        spiked = table.copy()
+        spiked[t, 0] *= 10
+        missed += bool(scores(spiked)[t, 0] <= THRESHOLD)
+    assert missed >= 15
