@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c constraints.txt
 STAMP  := $(VENV)/.installed
+# `make demo` installs only what the demo needs (torch, gradtap, the demo extra); `make test`
+# installs everything else on top. pip reuses its cache (~/.cache/pip) for both.
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: setup test test-compat gpu-check demo lint bench clean
 
@@ -16,7 +19,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 	@! $(PY) -m pip list 2>/dev/null | grep -i '^nvidia-' || (echo "nvidia-* packages found in .venv" && false)
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo's own install, in one pip run; a .venv that has everything (the stamp above) has it
+# too. --no-compile: Python compiles the modules the demo imports when it imports them, not
+# every file of torch up front.
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --no-compile torch==2.13.0 -e ".[demo]"
+	@! $(PY) -m pip list 2>/dev/null | grep -i '^nvidia-' || (echo "nvidia-* packages found in .venv" && false)
+	touch $(DEMO_STAMP)
 
 # Two pytest workers (pytest-xdist), one per core of the project machines; a worker that runs
 # out of tests takes some from the other's queue. TEST_WORKERS=0 runs in one process.
@@ -64,7 +76,7 @@ gpu-check:
 	.venvs/cuda/bin/python -m pytest -q -m "cuda or gpu" -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/cuda-tests.txt; exit $${PIPESTATUS[0]}
 	.venvs/cuda/bin/python benchmarks/run_all.py --no-docs 2>&1 | tee $(GPU_OUT)/benchmarks.txt; exit $${PIPESTATUS[0]}
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/gradtap demo --inject-nan 150
 
 lint: $(STAMP)

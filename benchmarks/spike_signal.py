@@ -7,8 +7,8 @@ Four healthy training runs of real models (each ``--steps`` steps, 600 by defaul
   divided by 10 at 50% and 75% of the run (step decay), on learnable 32x32 images;
 * ``lm``: a small causal transformer LM (the spike demo's ``TinyLM``), AdamW, linear warm-up
   over 10% of the run then cosine decay, on sentences of a small grammar;
-* ``regression``: an MLP fitting a smooth function of 8 inputs (4 outputs) with Adam, whose
-  loss falls by more than 100x;
+* ``regression``: an MLP (GELU) fitting a smooth function of 8 inputs (4 outputs) with Adam
+  and an exponentially decaying learning rate, whose loss falls by more than 100x;
 * ``noisy``: an MLP classifier trained with SGD on batches of 4 (noisy gradients).
 
 Each run has a Monitor storing ``norm`` (its default) and a ``gt.detect(spike=True)``.
@@ -19,7 +19,8 @@ Each run has a Monitor storing ``norm`` (its default) and a ``gt.detect(spike=Tr
   ``p.grad``) at one step, random tensor and step after the warm-up, ``--trials`` trials per
   run: from the healthy run's stored norms, with that one norm multiplied by 10 (exact: the
   detector's verdict at a step depends on that step's norms and the earlier ones only, and
-  a gradient times 10 has 10 times the norm). Counted: flagged at that step, with ``first``
+  a gradient times 10 has 10 times the norm), scored as ``Run.spikes()`` scores the store
+  (checked on the healthy run). Counted: flagged at that step, with ``first``
   naming that tensor. Goal: >= 95%.
 * **Recall, detect (online).** A second run of each model with a real injection
   (``p.grad *= 10`` after backward) every ``--every`` steps, random tensor; counted: an
@@ -107,7 +108,7 @@ def lm(steps: int, seed: int) -> Case:
 
 def regression(steps: int, seed: int) -> Case:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+    model = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                           nn.Linear(64, 4))
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(8, 4, generator=g) * 0.5
@@ -197,6 +198,14 @@ def train(name: str, steps: int, seed: int, every: int = 0) -> Result:
                   float(np.mean(losses[:20]) / np.mean(losses[-20:])), time.perf_counter() - t0)
 
 
+def table_spikes(table: np.ndarray) -> list[tuple[int, int]]:
+    """``(step, tensor)`` of each spike of a norm table (columns in the model's order), by step
+    then in backward order: what ``Run.spikes()`` computes from the store."""
+    z = scores(table)
+    return [(t, k) for t in range(len(table)) for k in reversed(range(table.shape[1]))
+            if z[t, k] > THRESHOLD]
+
+
 def offline_recall(res: Result, trials: int, seed: int) -> tuple[int, int]:
     """Trials of a x10 norm at a random (step after the warm-up, tensor) of the healthy run's
     stored norms: ``(flagged there with first naming it, trials)``. The scores at step t are
@@ -240,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.cases.split(","):
         healthy = train(name, args.steps, args.seed)
+        # the offline trials score tables as Run.spikes() does: check it on the healthy run
+        assert [(s.step, s.name) for s in healthy.run_spikes] == [
+            (t, healthy.names[k]) for t, k in table_spikes(healthy.table)]
         after = max(args.steps - WARMUP, 1)
         fp_run = len({s.step for s in healthy.run_spikes if s.step >= WARMUP})
         fp_det = len({a.step for a in healthy.anomalies if a.kind == "spike"})

@@ -44,7 +44,7 @@ def test_noise_scale_gain_and_loss_under_ddp_and_fsdp2_match_one_process(tmp_pat
                 for stat, want in zip(W.GNS_STATS, triple):
                     assert got[(step, name, "param_grad", stat)] == pytest.approx(
                         want, rel=1e-9), (key, step, name, stat)
-            assert got[(step, "<loss>", "param_grad", "value")] == pytest.approx(
+            assert got[(step, "<loss>", "health", "value")] == pytest.approx(
                 ref["loss"][step], rel=1e-12), key
         for step, name, value in ref["gain"]:
             assert got[(step, name, "grad_output", "gain")] == pytest.approx(value, rel=1e-9)

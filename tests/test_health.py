@@ -102,7 +102,10 @@ def test_loss_is_stored_and_read_back_from_the_store(tmp_path):
     steps, vals = run.series("<loss>", "value")
     assert steps.tolist() == [0, 2]  # computed steps only (every=2)
     assert vals.tolist() == pytest.approx([losses[0], losses[2]], rel=1e-15)
-    assert values(mon, "value")[(2, "<loss>")] == pytest.approx(losses[2], rel=1e-15)
+    assert values(mon, "value", "health")[(2, "<loss>")] == pytest.approx(losses[2], rel=1e-15)
+    # the loss has a kind of its own: no statistic of a gradient
+    assert "<loss>" not in set(run.frame(kinds="param_grad").name)
+    assert set(run.frame(kinds="health").name) == {"<loss>"}
 
 
 @pytest.mark.parametrize(("loss", "error", "match"), [
@@ -500,3 +503,24 @@ def test_noise_scale_needs_batch_sizes_that_fit_the_step():
     with pytest.raises(ValueError, match="batch_size must be a positive number"):
         mon.step(batch_size=0)
     mon.close()
+
+
+def test_a_run_stored_with_the_loss_and_scaler_as_param_grad_still_reads(tmp_path):
+    # Runs stored before the health kind held "<loss>" and "<scaler>" as kind param_grad.
+    from gradtap._monitor.history import MemoryRun
+    from gradtap.report.data import build_report_data
+    from gradtap.store import RunWriter
+
+    new = [(0, "w", "param_grad", "norm"), (1, "<loss>", "param_grad", "value"),
+           (2, "<scaler>", "param_grad", "amp_scale")]
+    writer, memory = RunWriter(tmp_path / "old", {}), MemoryRun({})
+    for sink in (writer, memory):
+        for step in range(3):
+            sink.write_step(step, new if step == 0 else [], np.arange(3),
+                            np.array([1.0, 2.0 - step, 1024.0]))
+        sink.close()
+    for run in (gt.open_run(tmp_path / "old"), memory):
+        assert run.series("<loss>", "value")[1].tolist() == [2.0, 1.0, 0.0]
+        assert run.series("<scaler>", "amp_scale")[1].tolist() == [1024.0] * 3
+    loss = build_report_data(tmp_path / "old").health.loss
+    assert loss is not None and loss[1].tolist() == [2.0, 1.0, 0.0]

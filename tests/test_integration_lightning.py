@@ -258,7 +258,8 @@ def test_the_callback_watches_output_gradients_too(tmp_path):
     cb = GradtapCallback(kinds=("param_grad", "grad_output"))  # its option check used to refuse
     trainer(tmp_path, cb, max_steps=2, enable_checkpointing=False).fit(Tiny(), data())
     run = gt.open_run(tmp_path / "lightning_logs" / "version_0" / "gradtap")
-    assert set(run.frame().kind) == {"param_grad", "grad_output"} and run.steps == [0, 1]
+    assert set(run.frame().kind) == {"param_grad", "grad_output", "health"}  # health: the loss
+    assert run.steps == [0, 1]
 
 
 class Indexed(torch.utils.data.Dataset):

@@ -233,3 +233,26 @@ def test_detect_samples_names_the_batch_row_behind_an_anomaly(tmp_path):
     a = cb.anomalies[0]
     assert a.module_name.startswith("transformer.h.0.mlp") and a.where == "forward"
     assert a.samples == (1,) and a.sample_ids is None  # positions: no ids reach the model
+
+
+@pytest.mark.parametrize("calls", [(3,), (4,), (3, 4)])  # the first, the last or both
+def test_one_anomaly_per_bad_step_under_gradient_accumulation(tmp_path, calls):
+    # gradient_accumulation_steps=2: forward calls 3 and 4 are optimizer step 1's micro-batches
+    model = tiny_gpt2()
+    seen = [0]
+
+    def poison(module, args, output):
+        seen[0] += 1
+        if seen[0] in calls:
+            return output * float("nan")
+
+    handle = model.transformer.h[0].mlp.register_forward_hook(poison)
+    cb = GradtapCallback(detect=True)
+    train(tmp_path, cb, model, max_steps=3, max_grad_norm=0.0)
+    handle.remove()
+    assert cb.skipped == [1]
+    assert [(a.step, a.kind) for a in cb.anomalies] == [(1, "nan")]
+    from gradtap.report import read_anomalies
+
+    saved, _ = read_anomalies(tmp_path / "gradtap")
+    assert [(a["step"], a["kind"]) for a in saved] == [(1, "nan")]

@@ -66,7 +66,7 @@ def test_every_sink_gets_the_rows_the_history_stores(tmp_path):
         for name, grad in grads[s].items():  # against torch in float64
             assert got[(name, "param_grad", "norm")] == pytest.approx(
                 float(torch.linalg.vector_norm(grad)), rel=1e-5)
-        assert got[("<loss>", "param_grad", "value")] == 0.5
+        assert got[("<loss>", "health", "value")] == 0.5
 
 
 def test_sinks_are_step_sinks_and_all_close_when_one_fails():

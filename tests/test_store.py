@@ -179,7 +179,8 @@ def test_sigkill_mid_training_loses_no_completed_step(tmp_path):
     script.write_text(TRAIN)
     printed = printed_until_killed(script, tmp_path / "run", 30)
     run = gt.open_run(tmp_path / "run")
-    assert run.status == "running"  # never closed
+    assert run.meta["status"] == "running"  # never closed ...
+    assert run.status == "killed"  # ... and its writer is gone
     steps = run.steps
     assert steps[: len(printed)] == printed  # every completed step is there ...
     assert steps == list(range(len(steps)))  # ... with no gap, at most one more than printed
@@ -348,3 +349,38 @@ def test_runs_and_anomalies_show_as_html_in_notebooks(tmp_path):
     assert f"<th>tensors</th><td>{len(run.names)}</td>" in page
     anomaly = gt.Anomaly("fc1", "nan", "forward", 2, None, "NaN in 'fc1' <here>")
     assert anomaly._repr_html_() == "<pre>NaN in &#x27;fc1&#x27; &lt;here&gt;</pre>"
+
+
+def test_gradtap_runs_shows_a_killed_run_as_killed_and_a_live_one_as_running(tmp_path, capsys):
+    from gradtap.cli import main
+    from gradtap.store import RunWriter
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    printed_until_killed(script, tmp_path / "killed", 3)
+    live = RunWriter(tmp_path / "live", {})  # this process: alive
+    try:
+        assert main(["runs", str(tmp_path)]) == 0
+        out = {line.split()[0].rsplit("/", 1)[-1]: line.split()[-1]
+               for line in capsys.readouterr().out.splitlines() if str(tmp_path) in line}
+        assert out == {"killed": "killed", "live": "running"}
+        assert gt.open_run(tmp_path / "live").status == "running"
+    finally:
+        live.close()
+    assert gt.open_run(tmp_path / "live").status == "finished"
+
+
+def test_a_run_written_on_another_host_or_by_an_older_writer_keeps_its_status():
+    from gradtap.store._common import live_status, writer_identity
+
+    me = writer_identity()
+    assert live_status({"status": "running", "writer": me}) == "running"
+    assert live_status({"status": "running"}) == "running"  # stored before the writer was
+    other = {**me, "host": me["host"] + "-elsewhere", "pid": 2 ** 22 + 7}
+    assert live_status({"status": "running", "writer": other}) == "running"
+    gone = {**me, "pid": 2 ** 22 + 7}  # above the kernel's pid_max: no such process
+    assert live_status({"status": "running", "writer": gone}) == "killed"
+    reused = {**me, "started": "1"}  # this pid, started at another time: another process
+    assert live_status({"status": "running", "writer": reused}) == ("killed" if me["started"]
+                                                                     else "running")
+    assert live_status({"status": "finished", "writer": gone}) == "finished"

@@ -463,7 +463,7 @@ def _run_summary(run_dir: str) -> str:
     run = open_run(run_dir)
     meta, steps = run.meta, run.step_array()
     span = f"{len(steps)}" + (f" ({steps[0]}-{steps[-1]})" if len(steps) else "")
-    rows = [["run", str(run.path)], ["status", str(meta.get("status"))],
+    rows = [["run", str(run.path)], ["status", run.status],
             ["started", str(meta.get("start_time", "-"))],
             ["ended", str(meta.get("end_time", "-"))], ["steps", span],
             ["tensors", str(len(run.names))], ["kinds", ", ".join(run.kinds) or "-"],

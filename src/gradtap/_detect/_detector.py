@@ -124,7 +124,10 @@ class Detector:
                                         selected=self._selected,
                                         batch_dim=self.batch_dim if self.samples else None)
             if self.spike is not None:
-                self._param_spikes = ParamSpikes(selected, self.spike, self.warmup)
+                # With the default selection the model's own parameters (a position table,
+                # a class token) are watched too: they belong to no submodule.
+                root = [("", model)] if select == "*" and all(n for n, _ in selected) else []
+                self._param_spikes = ParamSpikes(root + list(selected), self.spike, self.warmup)
                 self._screen.norms_mode = True
             return
         # The model itself is always watched: its grad_outputs are dL/d(model output), the

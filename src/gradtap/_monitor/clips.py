@@ -10,7 +10,7 @@ step also stores what the clip did:
   ``min(1, max_norm / (total + 1e-6))``, the same for every tensor; for ``clip_grad_value_``
   the ratio of the tensor's norms after/before (1 for a zero gradient). A tensor a spike rule
   of ``gt.transform`` holds keeps that rule's factor;
-* name :data:`CLIP_NAME`, stats ``norm`` (the total norm the clip returned, of all the
+* name :data:`CLIP_NAME` (kind ``health``, as the run's other own rows), stats ``norm`` (the total norm the clip returned, of all the
   gradients it was given as one vector, in its ``norm_type``) and ``clip_factor``
   (``clip_grad_norm_`` and ``clip_grads_with_norm_`` only).
 
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from gradtap import _tensorops as ops
 from gradtap._monitor.rows import RowBuilder
 from gradtap.capture import Clip, Session
+from gradtap.store import HEALTH_KIND
 
 __all__ = ["CLIP_NAME", "ClipRows"]
 
@@ -94,5 +95,5 @@ class ClipRows:
             if self.names:
                 rows.add("param_grad", self.names,
                          {"clip_factor": np.full(len(self.names), factor_v)})
-            rows.add("param_grad", [CLIP_NAME], {"norm": np.array([norm_v]),
+            rows.add(HEALTH_KIND, [CLIP_NAME], {"norm": np.array([norm_v]),
                                                  "clip_factor": np.array([factor_v])})

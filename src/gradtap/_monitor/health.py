@@ -4,7 +4,7 @@
 * stats ``gns``, ``gns_trace``, ``gns_sqnorm`` per parameter and for ``"<all>"``
   (:mod:`~gradtap._monitor.gns`);
 * the value given to ``mon.step(loss=...)``, as name :data:`LOSS_NAME`, stat ``value``, kind
-  ``param_grad`` (under a process group the mean over the ranks of each rank's value).
+  ``health`` (under a process group the mean over the ranks of each rank's value).
 
 Everything that crosses ranks goes into the step's :class:`~gradtap.distributed.Reduction`
 beside the moments, so the Monitor still makes at most two collectives per step.
@@ -27,6 +27,7 @@ from gradtap._monitor.rows import RowBuilder
 from gradtap._tensorops import HostCopy
 from gradtap.capture import HookSet, ScalerWatch
 from gradtap.distributed import Reduction
+from gradtap.store import HEALTH_KIND
 
 __all__ = ["LOSS_NAME", "HealthStats", "gns_stats", "queue_loss"]
 
@@ -111,7 +112,7 @@ class HealthStats:
             if gns is not None and self.gns is not None:
                 rows.add("param_grad", *self.gns.finish(red, gns, self.gns_stats))
             if value is not None:
-                rows.add("param_grad", [LOSS_NAME], {"value": value()})
+                rows.add(HEALTH_KIND, [LOSS_NAME], {"value": value()})
 
         return add
 

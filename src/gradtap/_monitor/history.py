@@ -27,6 +27,8 @@ from gradtap.store import (
     build_frame,
     filter_series,
     missing_message,
+    series_kind,
+    writer_identity,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,7 +46,8 @@ class MemoryRun:
     reference to its (shared) array of series ids.
 
     Args:
-        meta: the run metadata (``status`` and ``schema_version`` are added, as a store does).
+        meta: the run metadata (``status``, ``writer`` and ``schema_version`` are added, as a
+            store does).
 
     Example:
         >>> import numpy as np
@@ -55,7 +58,8 @@ class MemoryRun:
     """
 
     def __init__(self, meta: dict[str, Any]) -> None:
-        self._meta = _plain({**meta, "status": "running", "schema_version": SCHEMA_VERSION})
+        self._meta = _plain({**meta, "status": "running", "writer": writer_identity(),
+                             "schema_version": SCHEMA_VERSION})
         self._series: list[tuple[str, str, str]] = []
         self._steps: list[int] = []
         self._times: list[float] = []
@@ -175,12 +179,14 @@ class MemoryRun:
         """Seconds since the epoch at which each step was stored, by step."""
         return dict(zip(self._steps, self._times))
 
-    def series(self, name: str, stat: str, kind: str = "param_grad") -> tuple[np.ndarray, np.ndarray]:
-        """``(steps, values)`` of one statistic.
+    def series(self, name: str, stat: str, kind: str | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one statistic (``kind`` as in ``Run.series``).
 
         Raises:
             KeyError: no such series (the message names close matches).
         """
+        kind = series_kind(name, kind, lambda k: (name, k, stat) in self._series)
         try:
             sid = self._series.index((name, kind, stat))
         except ValueError:

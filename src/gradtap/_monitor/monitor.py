@@ -337,7 +337,7 @@ class Monitor:
 
         Args:
             loss: the step's loss (a one-element tensor or a number; read with the step's one
-                host copy), stored as name ``"<loss>"``, stat ``value``, kind ``param_grad``;
+                host copy), stored as name ``"<loss>"``, stat ``value``, kind ``health``;
                 under a process group the mean of the ranks' values.
             batch_size: for the noise scale: the samples of this rank in the step
                 (``gns_from="ranks"``), or of each micro-batch (``"microbatches"``: one int

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from gradtap._tensorops.spikes import THRESHOLD, WARMUP, check_spike_args, series_scores
+from gradtap._tensorops.spikes import THRESHOLD, WARMUP, check_spike_args, scores
 
 __all__ = ["Spike", "spikes_of"]
 
@@ -57,7 +57,7 @@ class _Readable(Protocol):
     def arrays(self, names: Any = None, stats: Any = None, kinds: Any = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[str, str, str]]]: ...
 
-    def series(self, name: str, stat: str, kind: str = "param_grad"
+    def series(self, name: str, stat: str, kind: str | None = None
                ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -93,18 +93,24 @@ def spikes_of(run: _Readable, threshold: float | None = None, warmup: int | None
         return []
     selected = (run.meta.get("selected") or {}).get("parameters") or []
     rank = {p: i for i, p in enumerate(selected) if isinstance(p, str)}
-    # backward order: the model's parameter order reversed, names the metadata lacks last
-    order = sorted(set(params), key=lambda n: (-rank.get(n, -1), n))
-    found: list[tuple[int, int, str, float, float]] = []  # (step, backward rank, name, v, z)
-    for pos, name in enumerate(order):  # one series at a time: memory bounded by one series
-        steps, v = run.series(name, "norm", "param_grad")
-        scores = series_scores(v, warmup)
-        for k in np.flatnonzero(scores > threshold).tolist():
-            found.append((int(steps[k]), pos, name, float(v[k]), float(scores[k])))
-    found.sort()
+    # the model's parameter order (names the metadata lacks last): the detector's neighbours
+    order = sorted(set(params), key=lambda n: (n not in rank, rank.get(n, 0), n))
+    series = [run.series(name, "norm", "param_grad") for name in order]
+    steps = np.unique(np.concatenate([st for st, _ in series])).astype(np.int64)
+    table = np.full((len(steps), len(order)), np.nan)  # 8 bytes per (step, tensor)
+    for col, (st, v) in enumerate(series):
+        table[np.searchsorted(steps, st), col] = v
+    del series
+    z = scores(table, warmup)
     out = []
-    last = None
-    for step, _, name, value, score in found:
-        out.append(Spike(step, name, "param_grad", value, score, step != last))
-        last = step
+    # by step, then in backward order: the model's order reversed, names it lacks last
+    back = sorted(range(len(order)), key=lambda c: (order[c] not in rank,
+                                                  c if order[c] not in rank else -c))
+    for t in np.flatnonzero(np.any(z > threshold, axis=1)).tolist():
+        first = True
+        for c in back:
+            if z[t, c] > threshold:
+                out.append(Spike(int(steps[t]), order[c], "param_grad", float(table[t, c]),
+                                 float(z[t, c]), first))
+                first = False
     return out

@@ -41,6 +41,7 @@ from gradtap._monitor.snapshots import Snapshots
 from gradtap._monitor.spikes import ZScores, queue_clip_factors
 from gradtap._monitor.split import Splits
 from gradtap.capture import ScalerWatch, Session
+from gradtap.store import HEALTH_KIND
 
 __all__ = ["StepPipeline"]
 
@@ -285,7 +286,7 @@ class StepPipeline:
         if q.factors is not None:
             rows.add("param_grad", q.factors[0], {"clip_factor": q.factors[1]()})
         if q.amp is not None:
-            rows.add("param_grad", [SCALER_NAME], {"amp_scale": q.amp[0]().reshape(1),
+            rows.add(HEALTH_KIND, [SCALER_NAME], {"amp_scale": q.amp[0]().reshape(1),
                                                    "nonfinite": q.amp[1]().reshape(1)})
         if q.health is not None:
             q.health(rows)

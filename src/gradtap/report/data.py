@@ -194,7 +194,7 @@ def list_runs(root: str | os.PathLike[str], max_depth: int = 3) -> list[RunInfo]
             run = open_run(d)
             meta, steps = run.meta, run.steps
             out.append(RunInfo(d, len(steps), steps[-1] if steps else None,
-                               meta.get("start_time"), str(meta.get("status"))))
+                               meta.get("start_time"), run.status))
         except (StoreError, OSError, sqlite3.Error, ValueError) as err:
             out.append(RunInfo(d, None, None, None, "unreadable", str(err)))
     return out
@@ -335,7 +335,7 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
             data.spikes, data.clipped = _spike_events(run, reader,
                                                       _order(names, meta, "param_grad"), steps)
         spiking = [e["name"] for e in data.spikes]
-        for kind in ("param_grad", "grad_output"):
+        for kind in ("param_grad", "grad_output", "health"):
             if kind not in kinds:
                 continue
             known = reader.names("norm", kind)
@@ -391,10 +391,14 @@ def build_report_data(run_dir: str | os.PathLike[str] | Run,
     data.anomalies, data.anomaly_source = read_anomalies(run.path)
     data.derived_anomalies = _derived_anomalies(data.anomalies, rows)
     data.metrics, data.summary = read_metrics(run.path)
-    if meta.get("status") == "running":
-        data.warnings.append("status is 'running': the run is still being written, or its "
-                             "writer stopped without closing it; the report shows the steps "
-                             "committed so far")
+    status = run.status
+    if status == "running":
+        data.warnings.append("status is 'running': the run is still being written (or its "
+                             "writer, on another host, stopped without closing it); the "
+                             "report shows the steps committed so far")
+    elif status == "killed":
+        data.warnings.append("status is 'killed': the process writing the run ended without "
+                             "closing it; the report shows every step it committed")
     if not steps:
         data.warnings.append("the run has no stored steps yet")
     return data

@@ -58,7 +58,8 @@ def read_health(names: Iterable[str], get: Callable[[str, str, str], Series | No
     """The health series of a run with ``names`` (in display order); ``get(name, stat, kind)``
     reads one series or gives ``None``."""
     names = list(names)
-    data = HealthData(loss=get("<loss>", "value", "param_grad"))
+    data = HealthData(loss=get("<loss>", "value", "health")  # runs stored before that kind:
+                      or get("<loss>", "value", "param_grad"))
     beta = config.get("gns_beta")
     data.gns_beta = float(beta) if isinstance(beta, (int, float)) else None
     for name in ["<all>", *(n for n in names if n not in _SPECIAL and not is_slice(n))]:

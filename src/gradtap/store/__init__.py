@@ -13,14 +13,19 @@ from gradtap.store._common import (
     ALL_STAT_NAMES,
     APPLICATION_ID,
     DB_NAME,
+    HEALTH_KIND,
+    HEALTH_NAMES,
     KIND_NAMES,
     NO_HISTOGRAMS,
     SCHEMA_VERSION,
+    STORED_KINDS,
     Histogram,
     build_frame,
     filter_series,
     import_pandas,
     missing_message,
+    series_kind,
+    writer_identity,
 )
 from gradtap.store._reader import Run, open_run
 from gradtap.store._writer import RunWriter, set_run_meta
@@ -28,5 +33,6 @@ from gradtap.store._writer import RunWriter, set_run_meta
 # The last names are shared with the Monitor's in-memory history (the same filters, frames and
 # messages).
 __all__ = ["DB_NAME", "SCHEMA_VERSION", "Histogram", "Run", "RunWriter", "open_run",
-           "set_run_meta", "ALL_STAT_NAMES", "APPLICATION_ID", "KIND_NAMES", "NO_HISTOGRAMS",
-           "build_frame", "filter_series", "import_pandas", "missing_message"]
+           "set_run_meta", "ALL_STAT_NAMES", "APPLICATION_ID", "HEALTH_KIND", "HEALTH_NAMES",
+           "KIND_NAMES", "NO_HISTOGRAMS", "STORED_KINDS", "build_frame", "filter_series",
+           "import_pandas", "missing_message", "series_kind", "writer_identity"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
+import socket
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +30,14 @@ SCHEMA_VERSION = 2
 APPLICATION_ID = 0x67747031
 
 KIND_NAMES = ("param_grad", "grad_output", "param", "update", "grad_cosine")
+#: The kind of the step's own rows: the loss (``"<loss>"``), the grad scaler (``"<scaler>"``)
+#: and the script's own clip (``"<clip>"``); runs stored before it have them as kind
+#: ``param_grad``.
+HEALTH_KIND = "health"
+#: The names of the rows of kind :data:`HEALTH_KIND`.
+HEALTH_NAMES = ("<loss>", "<scaler>", "<clip>")
+#: Every kind a run stores: the Monitor's kinds, then the step's own rows.
+STORED_KINDS = (*KIND_NAMES, HEALTH_KIND)
 #: Every stat a run stores: the moments' statistics, then those of particular kinds.
 ALL_STAT_NAMES = (*STAT_NAMES, "ratio", "cosine", "amp_scale", "zscore", "clip_factor", "gain",
                   "gns", "gns_trace", "gns_sqnorm", "value")
@@ -183,6 +193,58 @@ def _as_list(x: str | Iterable[str] | None) -> list[str] | None:
     return [x] if isinstance(x, str) else list(x)
 
 
+def writer_identity() -> dict[str, Any]:
+    """The writing process, stored as the run's ``writer``: its pid, host and start time (the
+    kernel's, where ``/proc`` has it: a pid reused by another process has another)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid())}
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time in clock ticks after boot (``/proc/PID/stat``), ``"Z"``
+    for a zombie (exited, not reaped yet), None where not readable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "Z" if fields[0] in ("Z", "X") else fields[19] if len(fields) > 19 else None
+
+
+def live_status(meta: dict[str, Any]) -> str:
+    """The run's ``status``, ``"killed"`` for a ``"running"`` run whose writer (on this host)
+    is gone: its pid is free, a zombie, or another process's. A run written on another host,
+    or before the writer was stored, keeps its stored status."""
+    status = str(meta.get("status"))
+    writer = meta.get("writer")
+    if status != "running" or os.name != "posix" or not isinstance(writer, dict):
+        return status
+    pid = writer.get("pid")
+    if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
+            or writer.get("host") != socket.gethostname()):
+        return status
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return "killed"
+    except PermissionError:
+        pass  # it exists, as another user
+    now = _started(pid)
+    if now == "Z" or (now is not None and writer.get("started") not in (None, now)):
+        return "killed"
+    return status
+
+
+def series_kind(name: str, kind: str | None, has: Callable[[str], bool]) -> str:
+    """The kind ``series(name, stat, kind)`` reads: ``kind``, else ``"param_grad"`` or, for a
+    name of :data:`HEALTH_NAMES`, ``"health"`` (``"param_grad"`` in a run stored before the
+    health kind, where ``has("health")``, whether that series exists, is false)."""
+    if kind is not None:
+        return kind
+    if name in HEALTH_NAMES and has(HEALTH_KIND):
+        return HEALTH_KIND
+    return "param_grad"
+
+
 def filter_series(
     series: Sequence[tuple[str, str, str]],
     names: str | Sequence[str] | None,
@@ -191,7 +253,7 @@ def filter_series(
 ) -> list[int]:
     """Ids of the series ``(name, kind, stat)`` that pass the filters of ``frame()``."""
     stat_list, kind_list, name_list = _as_list(stats), _as_list(kinds), _as_list(names)
-    for given, valid, what in ((stat_list, ALL_STAT_NAMES, "stat"), (kind_list, KIND_NAMES, "kind")):
+    for given, valid, what in ((stat_list, ALL_STAT_NAMES, "stat"), (kind_list, STORED_KINDS, "kind")):
         bad = [g for g in given or () if g not in valid]
         if bad:
             raise ValueError(f"unknown {what} name(s) {', '.join(map(repr, bad))}; valid "

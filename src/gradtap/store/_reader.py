@@ -22,7 +22,9 @@ from gradtap.store._common import (
     Histogram,
     build_frame,
     filter_series,
+    live_status,
     missing_message,
+    series_kind,
     series_table,
 )
 from gradtap.store._rows import Block, ChunkRows, SqlRows
@@ -107,8 +109,9 @@ class Run:
 
     @property
     def status(self) -> str:
-        """``"running"`` (being written, or the writer died), ``"finished"`` or ``"failed"``."""
-        return str(self.meta.get("status"))
+        """``"running"`` (being written), ``"finished"``, ``"failed"`` or ``"killed"``: stored
+        as running, but its writing process (on this host) is gone (see ``docs/run-store.md``)."""
+        return live_status(self.meta)
 
     @property
     def steps(self) -> list[int]:
@@ -229,15 +232,22 @@ class Run:
             steps, walls = self._rows.steps(conn)
         return dict(zip(steps.tolist(), walls.tolist()))
 
-    def series(self, name: str, stat: str, kind: str = "param_grad") -> tuple[np.ndarray, np.ndarray]:
+    def series(self, name: str, stat: str, kind: str | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(steps, values)`` of one statistic as numpy arrays (no pandas needed).
+        ``kind`` defaults to ``"param_grad"``, and to ``"health"`` for ``"<loss>"`` and
+        ``"<scaler>"`` and ``"<clip>"`` (``"param_grad"`` in runs stored before that kind).
 
         Raises:
             KeyError: no such series (the message names close matches).
         """
         with self._connect() as conn:
-            row = conn.execute("SELECT id FROM series WHERE name=? AND kind=? AND stat=?",
-                               (name, kind, stat)).fetchone()
+            def sid(k: str) -> Any:
+                return conn.execute("SELECT id FROM series WHERE name=? AND kind=? AND stat=?",
+                                    (name, k, stat)).fetchone()
+
+            kind = series_kind(name, kind, lambda k: sid(k) is not None)
+            row = sid(kind)
             if row is None:
                 raise KeyError(self._missing(conn, name, f"{kind}/{stat}"))
             return self._rows.series(conn, int(row[0]))
@@ -269,8 +279,8 @@ class Run:
         its own running baseline by more than ``threshold`` (a robust z-score of the log-norm;
         default 6) after ``warmup`` values of its history (default 20), as
         :class:`~gradtap.Spike`, by step then in backward order; ``first`` marks each step's
-        first. Exact definition: ``docs/semantics.md``, "Gradient spikes". Reads one series at
-        a time.
+        first. Exact definition: ``docs/semantics.md``, "Gradient spikes". Reads the norms one
+        series at a time into one table (8 bytes per step and tensor).
 
         Raises:
             ValueError: a bad ``threshold`` or ``warmup``.

@@ -24,6 +24,7 @@ from gradtap.store._common import (
     encode_record,
     quiet_nans,
     segment_name,
+    writer_identity,
 )
 
 
@@ -78,7 +79,8 @@ class RunWriter:
             conn.executescript(SCHEMA)
             conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            meta = {**meta, "status": "running", "schema_version": SCHEMA_VERSION}
+            meta = {**meta, "status": "running", "writer": writer_identity(),
+                    "schema_version": SCHEMA_VERSION}
             conn.executemany("INSERT INTO meta VALUES (?, ?)",
                              [(k, json.dumps(v)) for k, v in meta.items()])
         self._values = os.open(self.path / VALUES_NAME,

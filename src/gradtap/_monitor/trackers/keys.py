@@ -11,7 +11,7 @@ tracker (MLflow takes only letters, digits, ``_ - . /`` and spaces): ``"<all>"``
 Example:
     >>> key_of("layer1.0.conv1.weight", "param_grad", "norm")
     'grad/norm/layer1.0.conv1.weight'
-    >>> key_of("attn:0", "grad_output", "gain"), key_of("<loss>", "param_grad", "value")
+    >>> key_of("attn:0", "grad_output", "gain"), key_of("<loss>", "health", "value")
     ('health/gain/attn.0', 'loss')
 """
 

@@ -10,7 +10,7 @@ The summary of a step (``log_keys="summary"``):
 * ``<prefix>/max_<stat>`` and, as text where the tracker takes text,
   ``<prefix>/max_<stat>_tensor``: the largest per-tensor value of each stat of each kind and
   the tensor that has it (a NaN wins: it is the value to see);
-* the values of the run's own names (``grad/amp_scale/scaler``, ``health/gns/all``, ...);
+* the values of the run's own names (``health/amp_scale/scaler``, ``health/norm/clip``, ``health/gns/all``, ...);
 * ``grad/spikes``: the (step, tensor) pairs whose gradient norm the online spike detector
   (``gt.detect``'s, fed every computed step) flagged since the previous logged step, this step
   included; ``grad/clipped``: the (step, tensor) pairs a spike rule clipped
@@ -32,6 +32,7 @@ from gradtap._monitor.health import LOSS_NAME
 from gradtap._monitor.rows import StepRows
 from gradtap._monitor.trackers.keys import LOSS_KEY, KeyTable, clean, key_of, prefix_of
 from gradtap._tensorops.spikes import THRESHOLD, WARMUP, OnlineScores
+from gradtap.store import HEALTH_KIND
 
 __all__ = ["MAX_GROUPS", "MAX_KEYS", "Metrics", "Summary", "check_groups", "default_groups"]
 
@@ -108,7 +109,7 @@ class _Plan:
         self.group_labels = list(dict.fromkeys(lb for lb in labels if lb is not None))
         pos = {lb: i for i, lb in enumerate(self.group_labels)}
         self.group_ids = np.array([pos.get(lb, -1) if lb is not None else -1 for lb in labels])
-        self.loss = index.get((LOSS_NAME, "param_grad", "value"), -1)
+        self.loss = index.get((LOSS_NAME, HEALTH_KIND, "value"), -1)
         selected = set(params)
         self.clip = np.array([i for (n, k, s), i in index.items()
                               if k == "param_grad" and s == "clip_factor" and n in selected],
