@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import sys
 import time
@@ -116,6 +117,13 @@ VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
 }
 
 
+def _missing() -> dict[str, str]:
+    """The variants whose package is not installed (Opacus comes with ``make bench``), and why."""
+    if importlib.util.find_spec("opacus") is None:
+        return {k: "not installed (opacus)" for k in VARIANTS if k.startswith("Opacus")}
+    return {}
+
+
 def group_norm_cnn(batch: int = 64) -> tuple[nn.Module, Tensor, Tensor]:
     """``_models.small_cnn`` with each BatchNorm2d replaced by a GroupNorm of 8 groups (DP-SGD
     needs a sample's output to depend on that sample alone)."""
@@ -159,9 +167,11 @@ def main(argv: Sequence[str] | None = None) -> str:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rounds = 1 if args.quick else 11
     rows = []
+    missing = _missing()
+    variants = [name for name in VARIANTS if name not in missing]
     for label, build in _builders(args.quick).items():
         model, x, y = build()
-        steps = {name: make(copy.deepcopy(model), x, y) for name, make in VARIANTS.items()}
+        steps = {name: VARIANTS[name](copy.deepcopy(model), x, y) for name in variants}
         n = 1 if args.quick else steps_for(steps["plain"], budget=0.3, cap=50)
         t = interleaved(steps, steps=n, rounds=rounds, warmup=n, clock=clock)
         failed = {k: v for k, v in t.items() if isinstance(v, str)}
@@ -169,10 +179,13 @@ def main(argv: Sequence[str] | None = None) -> str:
             raise RuntimeError(f"variants failed: {failed}")
         tt: dict[str, Timing] = t  # type: ignore[assignment]
         mem: dict[str, float | None] = {}
-        for name in VARIANTS:
+        for name in variants:
             mem[name] = (_memory(label, name, quick=True) if args.quick else
                          child_json(__file__, "--memory", label, name))  # type: ignore[assignment]
         for name in VARIANTS:
+            if name in missing:
+                rows.append([label, name, missing[name], "", "", ""])
+                continue
             m, base = mem[name], mem["plain"]
             rows.append([label, name, f"{tt[name].seconds * 1e3:.1f} ms",
                          f"{tt[name].ratio:.2f}x", "n/a" if m is None else f"{m:.0f} MiB",
