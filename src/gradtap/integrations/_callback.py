@@ -78,7 +78,8 @@ class CallbackCore:
         self._model_ids: set[int] = set()
         self._awaiting = False  # the step is to be taken before the trainer's clip
         # Checked now, not at the first training step: a bad option fails where it is written
-        # (on a stand-in model with one submodule, as every kind can watch it).
+        # (on a stand-in model with one submodule, as every kind can watch it; ``print`` stands
+        # in for the trackers, which are known only at the start of training).
         Monitor(nn.Sequential(nn.Linear(1, 1)), "*", stats=self.stats, kinds=self.kinds,
                 ewma=ewma, hist_bins=hist_bins, every=every,
                 log_to=None if log_to is None else print, log_every=log_every,
