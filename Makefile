@@ -44,7 +44,6 @@ test: $(STAMP)
 # property-based per-sample suite draws its long profile here.
 COMPAT       ?= 2.14.1 2.9.1
 VISION_2.14.1 := torchvision==0.29.1
-COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
 
 .venvs/torch-%/.installed: pyproject.toml constraints.txt
 	test -x .venvs/torch-$*/bin/python || $(PYTHON) -m venv .venvs/torch-$*
@@ -53,11 +52,17 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT),.venvs/torch-$(v)/.installed)
 	.venvs/torch-$*/bin/python -m pip install -q -c .venvs/torch-$*/constraints.txt -e ".[test]"
 	touch $@
 
-test-compat: $(COMPAT_STAMPS)
+# One torch at a time: install, test, and with COMPAT_CLEAN=1 (what .ci/run sets) remove the
+# venv before the next one is built, so the job needs the disk of one CUDA build, not of both.
+COMPAT_CLEAN ?= 0
+
+test-compat:
 	@for v in $(COMPAT); do \
-	  echo "== torch $$v"; start=$$(date +%s); \
+	  echo "== torch $$v ($$(df -h --output=avail . | tail -1 | tr -d ' ') free on disk)"; start=$$(date +%s); \
+	  $(MAKE) --no-print-directory .venvs/torch-$$v/.installed || exit 1; \
 	  GRADTAP_HYPOTHESIS_PROFILE=long .venvs/torch-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_XDIST) || exit 1; \
 	  echo "== torch $$v: $$(( $$(date +%s) - start )) s"; \
+	  if [ "$(COMPAT_CLEAN)" = 1 ]; then rm -rf .venvs/torch-$$v; fi; \
 	done
 
 # On a machine with an NVIDIA GPU: the CUDA cases of the suite and every benchmark, in a venv
