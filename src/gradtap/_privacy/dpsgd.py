@@ -9,7 +9,9 @@ trainable parameter's ``.grad`` with the private gradient::
     (sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)) / (sample_rate * dataset_size)
 
 ``clip`` (:func:`clip_coefficients`) gives ``c_i``; the accountant (:mod:`.accounting`)
-counts the step. The exact definition is in docs/semantics.md ("Differentially private
+counts the step. The sum runs over the micro-batches since the last step
+(:mod:`.accumulate`), of the unscaled gradients under a loss scaler (:mod:`.amp`), and over
+the ranks under DDP (:mod:`.distributed`). The exact definition is in docs/semantics.md ("Differentially private
 training").
 """
 
