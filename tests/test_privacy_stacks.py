@@ -129,6 +129,10 @@ def test_a_grad_scaler_clips_the_unscaled_gradients_and_skips_with_it() -> None:
     again, _, _ = _scaled_run(None, [good[1]], sigma=1.0)
     for p, r in zip(skipped.parameters(), again.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    # detached: the scaler is a plain one again
+    assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
+    assert "__wrapped__" not in vars(torch.amp.GradScaler.step)
+    assert_no_hooks(skipped)
 
 
 def test_a_scaler_not_given_or_a_fused_optimizer_is_refused() -> None:

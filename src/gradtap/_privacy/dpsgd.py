@@ -258,7 +258,7 @@ class DPSGD:
 
     @property
     def steps(self) -> int:
-        """The steps taken so far (empty batches included)."""
+        """The steps taken so far (empty batches and steps the loss scaler skipped included)."""
         return self.accountant.steps
 
     def epsilon(self, delta: float) -> float:
