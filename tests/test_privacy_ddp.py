@@ -92,21 +92,48 @@ def worker(rank: int, world: int) -> dict:
                          for p, r in zip(model.parameters(), ref.parameters(), strict=True)))
     dp.detach()
     sync_back = ddp.require_backward_grad_sync
-    try:
-        gt.dp_sgd(ddp, opt, max_grad_norm=C, sample_rate=Q, dataset_size=N_DATA,
-                  noise_multiplier=0.0, scaler=torch.amp.GradScaler("cpu"))
-        refused = ""
-    except NotImplementedError as err:
-        refused = str(err)
-    sync_back = sync_back and ddp.require_backward_grad_sync  # restored after a refusal too
     params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
     torch.manual_seed(1)
     plain = nn.Linear(60, 60)
     alone = _noise_run(copy.deepcopy(plain), seed=7)  # one process, rank 0's seed
     noisy = _noise_run(nn.parallel.DistributedDataParallel(plain), seed=7 if rank == 0 else 99)
+    scaled = _scaled_run(rank)
     return {"diffs": diffs, "params": params, "steps": dp.steps, "sync_back": sync_back,
-            "noisy": noisy, "alone": alone, "refused": refused}
+            "noisy": noisy, "alone": alone, **scaled}
+
+
+def _scaled_run(rank: int) -> dict:
+    """A GradScaler under DDP: a good step, one with an inf on rank 1 alone (every rank skips
+    it), a good step; against the one-process run of the two good steps."""
+    torch.manual_seed(0)
+    model = _mlp().double()
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    dp = gt.dp_sgd(ddp, opt, max_grad_norm=C, sample_rate=Q, dataset_size=N_DATA,
+                   noise_multiplier=0.0, scaler=scaler)
+    for step, bad in ((0, False), (2, True), (2, False)):
+        x, y = _union(step)
+        sizes = STEPS[step]
+        start = sum(sizes[0]) if rank else 0
+        xs, ys = x[start:start + sum(sizes[rank])].clone(), y[start:start + sum(sizes[rank])]
+        if bad and rank == 1:
+            xs[0, 0] = float("inf")
+        scaler.scale(F.cross_entropy(ddp(xs), ys)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if not bad:
+            _oracle_step(ref, x, y)
+    dp.detach()
+    return {"scaled_diff": max(float((p - r).abs().max())
+                               for p, r in zip(model.parameters(), ref.parameters(),
+                                               strict=True)),
+            "scaled_steps": dp.steps, "scale": scaler.get_scale(),
+            "scaled_params": torch.cat([p.detach().flatten() for p in model.parameters()])
+            .tolist()}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +146,6 @@ def test_ddp_equals_one_process_over_the_union_batch(ranks: list[dict]) -> None:
         assert r["steps"] == len(STEPS)
         assert max(r["diffs"]) < 1e-13, r["diffs"]  # float64 rounding
         assert r["sync_back"] is True  # DDP's own all-reduce is back after detach
-        assert "GradScaler under DistributedDataParallel" in r["refused"]
     assert ranks[0]["params"] == ranks[1]["params"]  # bit-identical replicas
 
 
@@ -133,3 +159,11 @@ def test_ddp_noise_is_drawn_once_for_the_job(ranks: list[dict]) -> None:
     for d in (first, second):
         assert abs(float(d.std()) / expected - 1) < 0.05
     assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.06
+
+
+def test_ddp_with_a_grad_scaler_skips_together(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["scaled_diff"] < 1e-13  # the skipped step left nothing behind
+        assert r["scaled_steps"] == 3  # counted
+        assert r["scale"] == 2.0 ** 9  # one backoff, on both ranks
+    assert ranks[0]["scaled_params"] == ranks[1]["scaled_params"]

@@ -11,7 +11,10 @@ logical batch is dropped, no noise is drawn, and the accountant still counts the
 batch was drawn: counting it can only overstate epsilon). A scaler given to ``dp_sgd`` is
 the only one that may step its optimizer while enabled; a fused optimizer (one that takes
 the scale itself, ``fused=True``) is refused, as it would divide the private gradient by
-the scale once more.
+the scale once more. Under DDP each rank's scaler looks at its own ``.grad`` (DDP reduces
+nothing while ``dp_sgd`` is attached): an overflow on one rank is shared first
+(:meth:`~gradtap._privacy.distributed.Ranks.agree_on_overflow`), so every rank skips the same
+steps and the scalers keep the same scale.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ __all__ = ["LossScale"]
 class LossScale:
     """The loss scale of the steps of one optimizer, and what happens at a skipped step.
 
-    ``skipped()`` runs after a ``scaler.step(optimizer)`` that did not step the optimizer.
+    ``skipped()`` runs after a ``scaler.step(optimizer)`` that did not step the optimizer;
+    ``agree(params)`` runs before the scaler looks at the gradients of ``params`` (under DDP:
+    an inf/NaN on any rank is made one on every rank, so the ranks skip together).
     """
 
     def __init__(self, hooks: HookSet, session: Session, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler | None, skipped: Callable[[], None]) -> None:
+                 scaler: torch.amp.GradScaler | None, skipped: Callable[[], None],
+                 agree: Callable[[list[Tensor]], None]) -> None:
         self._watch = session.scaler(scaler, "dp_sgd")
         self._optimizer = optimizer
         self._skipped = skipped
+        self._agree = agree
         self._stepping = False
         self.stepped = False  # set by the private step while a scaler's step runs
         if scaler is not None and compat.steps_with_scale(optimizer):
@@ -63,6 +70,7 @@ class LossScale:
                 "it: the per-sample gradients are those of the scaled loss, and clipping them "
                 "at max_grad_norm would clip at the wrong bound; pass scaler=scaler to "
                 "gt.dp_sgd")
+        self._agree([p for group in optimizer.param_groups for p in group["params"]])
         self._stepping, self.stepped = True, False
 
     def _after(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:

@@ -8,7 +8,8 @@ the step, in one all-reduce (``SUM``) of the flattened sums over DDP's process g
 0 of the group adds the noise to its own clipped sum before that all-reduce, so the noise
 is drawn once per step for the whole job, from rank 0's generator, and every rank receives
 the same noisy sum (the all-reduce gives every rank the same result), hence the same
-parameters after the step. The other ranks never know the noise. Every rank must take every
+parameters after the step. Under a loss scaler the ranks also agree on which steps overflow
+(:meth:`Ranks.agree_on_overflow`). The other ranks never know the noise. Every rank must take every
 step (an empty local batch contributes zeros). A plain model on one process is a job of one
 rank: nothing is exchanged.
 """
@@ -43,10 +44,6 @@ class Ranks:
             hooks.add_cleanup(restore)
 
     @property
-    def distributed(self) -> bool:
-        return self._ddp is not None
-
-    @property
     def draws_noise(self) -> bool:
         """Whether this rank adds the step's noise (rank 0 of the group, or a lone process)."""
         if self._ddp is None:
@@ -63,3 +60,23 @@ class Ranks:
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+    def agree_on_overflow(self, params: list[Tensor]) -> None:
+        """Before a loss scaler checks ``params``' gradients: when any rank's hold an inf or
+        NaN, put a NaN into this rank's too (one all-reduce of a flag, no host read), so
+        every rank's scaler skips the step. A missing ``.grad`` becomes zeros, so a rank
+        without samples has one to mark."""
+        if self._ddp is None:
+            return
+        floating = [p for p in params if p.is_floating_point() and p.requires_grad]
+        if not floating:
+            return
+        for p in floating:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in floating if p.grad is not None]
+        bad = torch.stack([g.isfinite().all().logical_not() for g in grads]).any()
+        flag = bad.to(torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        first = grads[0].view(-1)[:1]
+        first.copy_(torch.where(flag > 0, torch.full_like(first, float("nan")), first))

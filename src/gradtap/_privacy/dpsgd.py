@@ -11,8 +11,8 @@ trainable parameter's ``.grad`` with the private gradient::
 ``clip`` (:func:`clip_coefficients`) gives ``c_i``; the accountant (:mod:`.accounting`)
 counts the step. The sum runs over the micro-batches since the last step
 (:mod:`.accumulate`), of the unscaled gradients under a loss scaler (:mod:`.amp`), and over
-the ranks under DDP (:mod:`.distributed`). The exact definition is in docs/semantics.md ("Differentially private
-training").
+the ranks under DDP (:mod:`.distributed`). The exact definition is in docs/semantics.md
+("Differentially private training").
 """
 
 from __future__ import annotations
@@ -181,11 +181,8 @@ class DPSGD:
         s = session(model, "dp_sgd()").attach()
         self._hooks.add_cleanup(s.detach)
         self._ranks = Ranks(self._hooks, model)
-        self._scale = LossScale(self._hooks, s, self.optimizer, scaler, self._skipped)
-        if self._ranks.distributed and self._scale.scaler is not None:
-            raise NotImplementedError(
-                "dp_sgd: a GradScaler under DistributedDataParallel is not supported: each "
-                "rank's scaler would decide on its own whether to skip a step")
+        self._scale = LossScale(self._hooks, s, self.optimizer, scaler, self._skipped,
+                                self._ranks.agree_on_overflow)
         self._micro = MicroBatches(self._hooks, s.root, self._clipped_sum,
                                    lambda: self._ps.clear())
         self._hooks.optimizer_step_pre(self.optimizer, self._before_step)
@@ -339,7 +336,7 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
         generator: the ``torch.Generator`` of the noise (torch's default when ``None``;
             under DDP only rank 0's draws).
         scaler: the ``torch.amp.GradScaler`` whose ``scaler.step(optimizer)`` steps the
-            optimizer, if any (one process only).
+            optimizer, if any.
 
     Returns:
         A :class:`DPSGD`: ``dp.epsilon(delta)``, ``dp.steps``, ``dp.noise_multiplier``;
@@ -350,7 +347,7 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
             ``(0, 1]``, neither a noise multiplier nor a complete target); an optimizer
             that does not hold every trainable parameter of the model.
         UnsupportedModuleError: a BatchNorm in training mode (named).
-        NotImplementedError: a ``scaler`` with a fused optimizer, or under DDP; at
+        NotImplementedError: a ``scaler`` with a fused optimizer; at
             ``scaler.step(optimizer)``, an enabled ``torch.amp.GradScaler`` not given as
             ``scaler=``.
         TypeError: a ``scaler`` that is not a ``torch.amp.GradScaler``.
