@@ -57,7 +57,7 @@ class MicroBatches:
         if not self._training_call():
             return
         for _, t in flatten_tensors(output, "output"):
-            if t.requires_grad and t.grad_fn is not None:
+            if t.requires_grad and not t.is_leaf:  # a leaf output: no graph to follow
                 self._hooks.gradient(t, self._on_grad)
 
     def _on_grad(self, _grad: Tensor) -> None:
