@@ -88,7 +88,7 @@ def worker(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         _oracle_step(ref, x, y)
-        diffs.append(max(float((p - r).abs().max())
+        diffs.append(max(float((p - r).detach().abs().max())
                          for p, r in zip(model.parameters(), ref.parameters(), strict=True)))
     dp.detach()
     sync_back = ddp.require_backward_grad_sync
@@ -99,8 +99,40 @@ def worker(rank: int, world: int) -> dict:
     alone = _noise_run(copy.deepcopy(plain), seed=7)  # one process, rank 0's seed
     noisy = _noise_run(nn.parallel.DistributedDataParallel(plain), seed=7 if rank == 0 else 99)
     scaled = _scaled_run(rank)
+    options = {"find_unused_parameters": _one_step(rank, find_unused_parameters=True)}
+    static = nn.parallel.DistributedDataParallel(_mlp(), static_graph=True)
+    try:
+        gt.dp_sgd(static, torch.optim.SGD(static.parameters(), lr=LR), max_grad_norm=C,
+                  sample_rate=Q, dataset_size=N_DATA, noise_multiplier=0.0)
+        refused = ""
+    except NotImplementedError as err:
+        refused = str(err)
+    refused_cleanly = static.require_backward_grad_sync
     return {"diffs": diffs, "params": params, "steps": dp.steps, "sync_back": sync_back,
-            "noisy": noisy, "alone": alone, **scaled}
+            "noisy": noisy, "alone": alone, "options": options, "refused": refused,
+            "refused_cleanly": refused_cleanly, **scaled}
+
+
+def _one_step(rank: int, **ddp_options: bool) -> float:
+    """Two steps with DDP made with ``ddp_options``: the largest difference to the
+    one-process run."""
+    torch.manual_seed(0)
+    model = _mlp().double()
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model, **ddp_options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with gt.dp_sgd(ddp, opt, max_grad_norm=C, sample_rate=Q, dataset_size=N_DATA,
+                   noise_multiplier=0.0):
+        for step in (0, 2):
+            x, y = _union(step)
+            start = sum(STEPS[step][0]) if rank else 0
+            end = start + sum(STEPS[step][rank])
+            F.cross_entropy(ddp(x[start:end]), y[start:end]).backward()
+            opt.step()
+            opt.zero_grad()
+            _oracle_step(ref, x, y)
+    return max(float((p - r).detach().abs().max())
+               for p, r in zip(model.parameters(), ref.parameters(), strict=True))
 
 
 def _scaled_run(rank: int) -> dict:
@@ -128,7 +160,7 @@ def _scaled_run(rank: int) -> dict:
         if not bad:
             _oracle_step(ref, x, y)
     dp.detach()
-    return {"scaled_diff": max(float((p - r).abs().max())
+    return {"scaled_diff": max(float((p - r).detach().abs().max())
                                for p, r in zip(model.parameters(), ref.parameters(),
                                                strict=True)),
             "scaled_steps": dp.steps, "scale": scaler.get_scale(),
@@ -147,6 +179,9 @@ def test_ddp_equals_one_process_over_the_union_batch(ranks: list[dict]) -> None:
         assert max(r["diffs"]) < 1e-13, r["diffs"]  # float64 rounding
         assert r["sync_back"] is True  # DDP's own all-reduce is back after detach
     assert ranks[0]["params"] == ranks[1]["params"]  # bit-identical replicas
+    for r in ranks:  # DDP's options change nothing (its reducer is idle)
+        assert max(r["options"].values()) < 1e-13, r["options"]
+        assert "static_graph=True" in r["refused"] and r["refused_cleanly"] is True
 
 
 def test_ddp_noise_is_drawn_once_for_the_job(ranks: list[dict]) -> None:

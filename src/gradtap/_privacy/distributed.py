@@ -10,7 +10,8 @@ is drawn once per step for the whole job, from rank 0's generator, and every ran
 the same noisy sum (the all-reduce gives every rank the same result), hence the same
 parameters after the step. Under a loss scaler the ranks also agree on which steps overflow
 (:meth:`Ranks.agree_on_overflow`). The other ranks never know the noise. Every rank must take every
-step (an empty local batch contributes zeros). A plain model on one process is a job of one
+step (an empty local batch contributes zeros). A DDP model made with ``static_graph=True``
+is refused (its reducer cannot stand aside). A plain model on one process is a job of one
 rank: nothing is exchanged.
 """
 
@@ -34,6 +35,12 @@ class Ranks:
                     if isinstance(m, nn.parallel.DistributedDataParallel)), None)
         self._ddp = ddp
         self._group = None if ddp is None else ddp.process_group
+        if ddp is not None and getattr(ddp, "static_graph", False):
+            raise NotImplementedError(
+                "dp_sgd: a DistributedDataParallel model made with static_graph=True is not "
+                "supported: dp_sgd turns DDP's own gradient all-reduce off (as no_sync() "
+                "does), which DDP's static graph does not allow; make it with "
+                "static_graph=False")
         if ddp is not None:
             was = ddp.require_backward_grad_sync
             ddp.require_backward_grad_sync = False
