@@ -43,7 +43,6 @@ class MicroBatches:
         self._clear = clear
         self._total: list[Tensor] | None = None
         self._reached = False  # a backward went through a forward's output since the fold
-        self.count = 0  # micro-batches folded since the last step (for the docs' meaning)
         hooks.module_calls(root, self._before, self._after)
 
     def _training_call(self) -> bool:
@@ -70,7 +69,6 @@ class MicroBatches:
         self._clear()
         if sums is None:
             return
-        self.count += 1
         if self._total is None:
             self._total = sums
         else:
@@ -81,7 +79,6 @@ class MicroBatches:
         without samples); starts the next logical batch."""
         self.fold()
         total, self._total = self._total, None
-        self.count = 0
         return total if total is not None else [torch.zeros_like(p) for p in like]
 
     def discard(self) -> None:
@@ -89,4 +86,3 @@ class MicroBatches:
         self._reached = False
         self._clear()
         self._total = None
-        self.count = 0
