@@ -342,39 +342,6 @@ def test_detach_restores_the_plain_step() -> None:
     assert dp.steps == 0
 
 
-def ddp_worker(rank: int, world: int) -> dict:
-    model = nn.parallel.DistributedDataParallel(_mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
-                  noise_multiplier=1.0)
-    except NotImplementedError as err:
-        return {"error": str(err)}
-    return {"error": None}
-
-
-def test_a_ddp_model_is_refused() -> None:
-    from tests._dist import run_ranks
-
-    [result] = run_ranks(ddp_worker, world=1)
-    assert result["error"] is not None and "DistributedDataParallel" in result["error"]
-
-
-def test_a_grad_scaler_is_refused_at_its_step() -> None:
-    model, opt = _plain()
-    dp = gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=0.1, dataset_size=10,
-                   noise_multiplier=1.0)
-    scaler = torch.amp.GradScaler("cpu")
-    before = [p.detach().clone() for p in model.parameters()]
-    scaler.scale(F.cross_entropy(model(torch.randn(3, 6)), torch.tensor([0, 1, 2]))).backward()
-    with pytest.raises(NotImplementedError, match="GradScaler"):
-        scaler.step(opt)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    assert dp.steps == 0
-    dp.detach()
-    scaler.step(opt)  # detached: the scaler steps as usual
-
-
 @pytest.mark.filterwarnings("ignore:Secure RNG turned off")
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("b", [3, 8, 13])

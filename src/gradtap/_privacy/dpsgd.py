@@ -9,8 +9,10 @@ trainable parameter's ``.grad`` with the private gradient::
     (sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)) / (sample_rate * dataset_size)
 
 ``clip`` (:func:`clip_coefficients`) gives ``c_i``; the accountant (:mod:`.accounting`)
-counts the step. The exact definition is in docs/semantics.md ("Differentially private
-training").
+counts the step. The sum runs over the micro-batches since the last step
+(:mod:`.accumulate`), of the unscaled gradients under a loss scaler (:mod:`.amp`), and over
+the ranks under DDP (:mod:`.distributed`). The exact definition is in docs/semantics.md
+("Differentially private training").
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from gradtap._privacy.accounting import Accountant, _check_accountant, calibrate_noise
+from gradtap._privacy.accumulate import MicroBatches
+from gradtap._privacy.amp import LossScale
 from gradtap._privacy.checks import check_noise, check_number, check_rate
+from gradtap._privacy.distributed import Ranks
 from gradtap._privacy.noise import gaussian_noise
 from gradtap._samples.engine import PerSample
 from gradtap._samples.spec import LossReduction
-from gradtap.capture import HookSet
+from gradtap.capture import HookSet, session
 from gradtap.errors import UnsupportedModuleError
+from gradtap.select import clean_name, unwrap_model
 
 __all__ = ["CLIP_EPS", "DPSGD", "Clipping", "clip_coefficients", "dp_sgd"]
 
@@ -94,8 +100,17 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"not the model's: they would be stepped without clipping or noise")
 
 
-def _nothing(*_args: Any) -> None:
-    pass
+def _engine(model: nn.Module, loss_reduction: LossReduction) -> PerSample:
+    # own_grad: autograd skips the batch weight gradients the private step replaces.
+    try:
+        return PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",),
+                         own_grad=True)
+    except ValueError as err:
+        if "another open" not in str(err):
+            raise
+        raise ValueError(f"dp_sgd: the model is already followed by another dp_sgd (or "
+                         f"per_sample) that computes its .grad: detach that one first "
+                         f"({err})") from None
 
 
 class DPSGD:
@@ -115,14 +130,10 @@ class DPSGD:
                  target_delta: float | None = None, steps: int | None = None,
                  accountant: str = "prv", clipping: Clipping = "flat",
                  loss_reduction: LossReduction = "mean",
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dp_sgd: model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise NotImplementedError(
-                "dp_sgd does not support a DistributedDataParallel model yet: DDP would "
-                "all-reduce the unclipped batch gradient, and each rank would draw its own "
-                "noise; wrap the plain module on a single process")
         self.max_grad_norm = check_number("max_grad_norm", max_grad_norm, 0.0, math.inf,
                                           low_open=True, high_open=True,
                                           meaning="the clipping bound C of each sample's gradient")
@@ -149,29 +160,32 @@ class DPSGD:
                 f"dp_sgd: module {where} is in training mode: batch statistics mix the "
                 f"samples, so no sample's gradient is its own; replace it with GroupNorm or "
                 f"LayerNorm (or put it in eval mode)")
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        params = {clean_name(name): p for name, p in unwrap_model(model).named_parameters()
+                  if p.requires_grad}
         if not params:
             raise ValueError("dp_sgd: the model has no trainable parameter")
         _check_optimizer(model, optimizer, params)
         self.optimizer = optimizer
-        # own_grad: autograd skips the batch weight gradients the private step replaces.
-        try:
-            self._ps = PerSample(model, "*", loss_reduction=loss_reduction,
-                                 quantities=("grad",), own_grad=True)
-        except ValueError as err:
-            if "another open" not in str(err):
-                raise
-            raise ValueError(f"dp_sgd: the model is already followed by another dp_sgd (or "
-                             f"per_sample) that computes its .grad: detach that one first "
-                             f"({err})") from None
-        self._params = {name: params[name] for name in self._ps.names}
         self._hooks = HookSet()
         try:
-            self._hooks.optimizer_step_pre(optimizer, self._before_step)
-            self._hooks.around_any_grad_scaler_step(self._refuse_scaler, _nothing)
+            self._install(model, scaler)
+            self._ps = _engine(model, loss_reduction)
         except BaseException:
             self.detach()
             raise
+        self._params = {name: params[name] for name in self._ps.names}
+
+    def _install(self, model: nn.Module, scaler: torch.amp.GradScaler | None) -> None:
+        """The hooks of the micro-batches, the loss scale and the ranks (subscribed before
+        the engine's, so a micro-batch is folded before the engine sees the next one)."""
+        s = session(model, "dp_sgd()").attach()
+        self._hooks.add_cleanup(s.detach)
+        self._ranks = Ranks(self._hooks, model)
+        self._scale = LossScale(self._hooks, s, self.optimizer, scaler, self._skipped,
+                                self._ranks.agree_on_overflow)
+        self._micro = MicroBatches(self._hooks, s.root, self._clipped_sum,
+                                   lambda: self._ps.clear())
+        self._hooks.optimizer_step_pre(self.optimizer, self._before_step)
 
     def _noise(self, noise_multiplier: float | None, target_epsilon: float | None,
                target_delta: float | None, steps: int | None, accountant: str) -> float:
@@ -194,23 +208,34 @@ class DPSGD:
         return calibrate_noise(target_epsilon, target_delta, self.sample_rate,  # type: ignore[arg-type]
                                steps, accountant=accountant)  # type: ignore[arg-type]
 
+    def _clipped_sum(self) -> list[Tensor] | None:
+        """``sum_i c_i g_i`` of each trainable parameter over the samples of the engine's
+        backward(s) (one micro-batch), of the unscaled gradients; ``None`` without samples."""
+        n = self._ps.batch_size
+        if not n:  # an empty batch, or no backward
+            return None
+        per = self._ps.grad
+        grads = [per[name] for name in self._params]
+        sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
+        scale = self._scale.scale()
+        if scale is not None:  # the gradients of scale * loss
+            sq = [s / scale.to(s.device, s.dtype).square() for s in sq]
+        coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
+        if scale is not None:
+            coefs = [c / scale.to(c.device, c.dtype) for c in coefs]
+        return [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
+
     def _private_grads(self) -> list[Tensor]:
         """The private gradient of each trainable parameter (``.grad`` of the next step), from
-        the per-sample gradients of the backwards since the last step; draws the noise."""
+        the clipped sums of the micro-batches since the last step, summed over the ranks;
+        draws the noise (once for the job)."""
         params = list(self._params.values())
-        n = self._ps.batch_size
-        if n:
-            per = self._ps.grad
-            grads = [per[name] for name in self._params]
-            sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
-            coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
-            sums = [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
-        else:  # an empty batch, or no backward: a step of noise only
-            sums = [torch.zeros_like(p) for p in params]
-        if self.noise_multiplier > 0:
+        sums = self._micro.take(params)  # zeros for a step of noise only
+        if self.noise_multiplier > 0 and self._ranks.draws_noise:
             noise = gaussian_noise(sums, self.noise_multiplier * self.max_grad_norm,
                                    self.generator)
             torch._foreach_add_(sums, noise)
+        self._ranks.sum(sums)
         torch._foreach_div_(sums, self.sample_rate * self.dataset_size)
         return [s.to(dtype=p.dtype) for s, p in zip(sums, params, strict=True)]
 
@@ -220,18 +245,17 @@ class DPSGD:
             for p, g in zip(self._params.values(), grads, strict=True):
                 p.grad = g
         self.accountant.step()
-        self._ps.clear()
+        self._scale.stepped = True
 
-    def _refuse_scaler(self, scaler: torch.amp.GradScaler, optimizer: Any) -> None:
-        if optimizer is self.optimizer and scaler.is_enabled():
-            raise NotImplementedError(
-                "dp_sgd does not support a GradScaler yet: the per-sample gradients are those "
-                "of the scaled loss, and clipping them at max_grad_norm would clip at the wrong "
-                "bound; train without loss scaling (bfloat16 autocast needs none)")
+    def _skipped(self) -> None:
+        """The scaler skipped the step (inf/NaN): the logical batch is dropped, no noise is
+        drawn, and the step is counted (see :mod:`.amp`)."""
+        self._micro.discard()
+        self.accountant.step()
 
     @property
     def steps(self) -> int:
-        """The steps taken so far (empty batches included)."""
+        """The steps taken so far (empty batches and steps the loss scaler skipped included)."""
         return self.accountant.steps
 
     def epsilon(self, delta: float) -> float:
@@ -269,7 +293,8 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
            target_epsilon: float | None = None, target_delta: float | None = None,
            steps: int | None = None, accountant: str = "prv", clipping: Clipping = "flat",
            loss_reduction: LossReduction = "mean",
-           generator: torch.Generator | None = None) -> DPSGD:
+           generator: torch.Generator | None = None,
+           scaler: torch.amp.GradScaler | None = None) -> DPSGD:
     """Train ``model`` with DP-SGD: from now on each ``optimizer.step()`` is private.
 
     Right before each step, every trainable parameter's ``.grad`` becomes::
@@ -286,9 +311,18 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
     backward) gets the noise alone. Draw the batches with :func:`gradtap.poisson_batches`
     at ``sample_rate``: the accounting assumes it.
 
+    Several forward/backward passes (micro-batches of distinct samples) before one step are
+    one logical batch: each sample is clipped on its own whole gradient and the clipped sums
+    add up, with the noise added once at the step. Under ``DistributedDataParallel`` the
+    ranks' clipped sums are summed (DDP's own averaging all-reduce is off while attached),
+    rank 0 adds the noise once for the job, and every rank steps on the same gradient. With
+    ``scaler=`` (a ``torch.amp.GradScaler``) the per-sample gradients are unscaled before
+    clipping, and a step the scaler skips drops the batch (no noise; still counted). The
+    exact meaning is in docs/semantics.md ("Differentially private training").
+
     Args:
-        model: the model; not a ``DistributedDataParallel`` one, and no BatchNorm in
-            training mode.
+        model: the model, or its ``DistributedDataParallel`` wrapper (every rank makes the
+            same ``dp_sgd``); no BatchNorm in training mode.
         optimizer: an optimizer over the model's trainable parameters (all of them).
         max_grad_norm: the clipping bound ``C > 0``.
         sample_rate: each example's probability ``q`` in ``(0, 1]`` of joining a batch.
@@ -299,7 +333,10 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
         accountant: ``"prv"`` (default), ``"pld"`` or ``"rdp"`` (``dp-accounting``).
         clipping: ``"flat"`` or ``"per_layer"``.
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces its per-sample terms.
-        generator: the ``torch.Generator`` of the noise (torch's default when ``None``).
+        generator: the ``torch.Generator`` of the noise (torch's default when ``None``;
+            under DDP only rank 0's draws).
+        scaler: the ``torch.amp.GradScaler`` whose ``scaler.step(optimizer)`` steps the
+            optimizer, if any.
 
     Returns:
         A :class:`DPSGD`: ``dp.epsilon(delta)``, ``dp.steps``, ``dp.noise_multiplier``;
@@ -310,8 +347,10 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
             ``(0, 1]``, neither a noise multiplier nor a complete target); an optimizer
             that does not hold every trainable parameter of the model.
         UnsupportedModuleError: a BatchNorm in training mode (named).
-        NotImplementedError: a ``DistributedDataParallel`` model; at ``scaler.step(optimizer)``,
-            an enabled ``torch.amp.GradScaler`` (loss scaling is not supported yet).
+        NotImplementedError: a ``scaler`` with a fused optimizer; at
+            ``scaler.step(optimizer)``, an enabled ``torch.amp.GradScaler`` not given as
+            ``scaler=``.
+        TypeError: a ``scaler`` that is not a ``torch.amp.GradScaler``.
         GradtapError: at a step, for parameters whose per-sample gradients neither a rule
             nor a replay could give (named).
 
@@ -334,4 +373,4 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
                  dataset_size=dataset_size, noise_multiplier=noise_multiplier,
                  target_epsilon=target_epsilon, target_delta=target_delta, steps=steps,
                  accountant=accountant, clipping=clipping, loss_reduction=loss_reduction,
-                 generator=generator)
+                 generator=generator, scaler=scaler)

@@ -9,7 +9,9 @@ the model's size every step), or draw on every rank from generators seeded alike
 communication after the seed). :func:`shared_generator` does the second: rank 0 of the group
 picks the seed (from ``secrets`` unless one is given) and broadcasts it once; the ranks' draws
 then agree as long as they draw the same shapes in the same order, which the identical
-replicas of DDP do. Keep the seed secret: whoever knows it knows the noise.
+replicas of DDP do. Keep the seed secret: whoever knows it knows the noise. ``dp_sgd``
+itself does the first without its cost: rank 0 adds its draw to its own clipped sum before
+the all-reduce of the ranks' sums, which it needs anyway (:mod:`.distributed`).
 """
 
 from __future__ import annotations

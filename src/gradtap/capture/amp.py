@@ -21,6 +21,7 @@ after ``unscale_``, ``step`` and ``update``.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -56,8 +57,9 @@ class _Tracker:
         self._saved: dict[str, Any] = {}
         for name in _METHODS:
             if name in vars(scaler):
-                self._saved[name] = vars(scaler)[name]
-            original = getattr(scaler, name)
+                self._saved[name] = original = vars(scaler)[name]
+            else:  # bound late: a wrapper of the class's method made later still runs
+                original = functools.partial(_class_method, scaler, name)
             wrapped = getattr(self, f"_wrap_{name.rstrip('_')}")(original)
             setattr(scaler, name, _Wrapper(wrapped, scaler, name))
 
@@ -155,6 +157,10 @@ class _Wrapper:
 
 def _own_method(scaler: torch.amp.GradScaler, name: str) -> Any:
     return getattr(type(scaler), name).__get__(scaler)
+
+
+def _class_method(scaler: torch.amp.GradScaler, name: str, *args: Any, **kwargs: Any) -> Any:
+    return getattr(type(scaler), name)(scaler, *args, **kwargs)
 
 
 def _total(found: list[Tensor]) -> Tensor:
