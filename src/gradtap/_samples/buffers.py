@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CAP", "Pool", "computing", "empty", "pool_for", "zeros"]
+__all__ = ["CAP", "Pool", "computing", "pool_for", "pooled", "zeros"]
 
 #: The most bytes one model's pool keeps.
 CAP = 256 * 2**20
@@ -117,15 +117,17 @@ def computing(pool: Pool) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def empty(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """An uninitialized ``shape`` tensor on ``like``'s device, of ``dtype`` (``like``'s by
-    default): from the active pool on the CPU, else new."""
-    dtype = dtype or like.dtype
-    if _ACTIVE and like.device.type == "cpu" and not torch.is_grad_enabled():
-        return _ACTIVE[-1].take(shape, dtype)
-    return like.new_empty(shape, dtype=dtype)
+def pooled(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor | None:
+    """An uninitialized ``shape`` tensor of ``dtype`` (``like``'s by default) from the active
+    pool, or ``None`` (no pool active, not on the CPU, or grad enabled: the caller computes
+    as without a pool)."""
+    if (_ACTIVE and like.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(like)):
+        return _ACTIVE[-1].take(shape, dtype or like.dtype)
+    return None
 
 
 def zeros(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """:func:`empty`, zeroed."""
-    return empty(shape, like).zero_()
+    """``shape`` zeros of ``like``'s dtype and device, pooled where :func:`pooled` can."""
+    out = pooled(shape, like)
+    return like.new_zeros(shape) if out is None else out.zero_()
