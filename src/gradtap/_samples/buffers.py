@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,10 +63,15 @@ class Pool:
         self._buckets: dict[int, list[torch.UntypedStorage]] = {}  # by size in bytes
         self._taken: set[int] = set()  # ids of the memory handed out since the last settle
         self.bytes = 0
+        self._lock = threading.Lock()  # two threads' backwards of one model
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialized contiguous CPU tensor, on pooled memory nothing else refers to,
         or on new memory."""
+        with self._lock:
+            return self._take(shape, dtype)
+
+    def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         size = math.prod(shape) * dtype.itemsize
         bucket = self._buckets.setdefault(size, [])
         for i in range(len(bucket)):
@@ -82,6 +88,10 @@ class Pool:
 
     def settle(self) -> None:
         """A backward ended: keep only the memory it took."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
         for size, bucket in list(self._buckets.items()):
             kept = [s for s in bucket if id(s) in self._taken]
             self.bytes -= size * (len(bucket) - len(kept))
@@ -96,7 +106,8 @@ class Pool:
 
 
 _POOLS: weakref.WeakKeyDictionary[nn.Module, Pool] = weakref.WeakKeyDictionary()
-_ACTIVE: list[Pool] = []  # the pool of the per_sample computing now (innermost last)
+# Per thread: the pools of the per_samples computing now (innermost last).
+_ACTIVE = threading.local()
 
 
 def pool_for(model: nn.Module) -> Pool:
@@ -110,20 +121,29 @@ def pool_for(model: nn.Module) -> Pool:
 @contextmanager
 def computing(pool: Pool) -> Iterator[None]:
     """Rules build their per-sample results in ``pool``'s buffers meanwhile."""
-    _ACTIVE.append(pool)
+    stack = _stack()
+    stack.append(pool)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        stack.pop()
+
+
+def _stack() -> list[Pool]:
+    stack = getattr(_ACTIVE, "pools", None)
+    if stack is None:
+        stack = _ACTIVE.pools = []
+    return stack
 
 
 def pooled(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor | None:
     """An uninitialized ``shape`` tensor of ``dtype`` (``like``'s by default) from the active
     pool, or ``None`` (no pool active, not on the CPU, or grad enabled: the caller computes
     as without a pool)."""
-    if (_ACTIVE and like.device.type == "cpu" and not torch.is_grad_enabled()
+    stack = _stack()
+    if (stack and like.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch._C._functorch.is_functorch_wrapped_tensor(like)):
-        return _ACTIVE[-1].take(shape, dtype or like.dtype)
+        return stack[-1].take(shape, dtype or like.dtype)
     return None
 
 
