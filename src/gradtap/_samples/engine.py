@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtap._samples.accumulate import Step, Totals
+from gradtap._samples.buffers import computing, pool_for
 from gradtap._samples.check import check_sums
 from gradtap._samples.frames import Calls, samples_in, samples_of
 from gradtap._samples.layout import split_call
@@ -91,6 +92,7 @@ class PerSample:
         self._hooks.add_cleanup(self._membership.end)
         self._own = OwnGrad(spec, self._hooks, self.own_grad, self._membership)
         self._replays = Replays(spec)
+        self._pool = pool_for(spec.model)
         self._busy = False  # per_sample computes: see _computing
         self._queued = False
         self.batch_size: int | None = None
@@ -168,7 +170,8 @@ class PerSample:
         replay's forward, a fallback's own backward) are not the model's."""
         self._busy = True
         try:
-            yield
+            with computing(self._pool):
+                yield
         finally:
             self._busy = False
 
@@ -311,6 +314,7 @@ class PerSample:
         finally:
             self._new_backward()
             self._calls.end_backward()
+            self._pool.settle()
         if lost:
             raise lost_error(lost)
 

@@ -15,6 +15,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from gradtap._samples.buffers import zeros
 from gradtap._samples.rule import PerSampleRule
 
 __all__ = ["EMBEDDING", "check_embedding", "grad_embedding", "norm_embedding",
@@ -46,10 +47,12 @@ def _keys(module: nn.Embedding, idx: Tensor) -> Tensor:
     return (idx + offsets[:, None]).flatten()
 
 
-def _rows_added(rows: int, keys: Tensor, b: Tensor) -> Tensor:
-    """``[rows, D]`` zeros with each row of ``b`` (``[..., D]``) added onto row ``keys[i]``."""
+def _rows_added(rows: int, keys: Tensor, b: Tensor, pooled: bool = False) -> Tensor:
+    """``[rows, D]`` zeros with each row of ``b`` (``[..., D]``) added onto row ``keys[i]``
+    (``pooled``: in a result buffer, ``buffers``)."""
     d = b.shape[-1]
-    return b.new_zeros(rows, d).index_add_(0, keys, b.reshape(-1, d))
+    out = zeros((rows, d), b) if pooled else b.new_zeros(rows, d)
+    return out.index_add_(0, keys, b.reshape(-1, d))
 
 
 def grad_embedding(
@@ -61,7 +64,7 @@ def grad_embedding(
     module = cast(nn.Embedding, module)
     idx, b = _flat(module, inp, grad_out)
     n, _, d = b.shape
-    g = _rows_added(n * module.num_embeddings, _keys(module, idx), b)
+    g = _rows_added(n * module.num_embeddings, _keys(module, idx), b, pooled=True)
     return {"weight": g.view(n, module.num_embeddings, d)}
 
 

@@ -18,6 +18,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor, nn
 
+from gradtap._samples.buffers import pooled
 from gradtap._samples.rule import PerSampleRule, Piece, budget, chunks
 
 __all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
@@ -36,10 +37,14 @@ def grad_linear(
     a, b = _flat(inp, grad_out)
     out: dict[str, Tensor] = {}
     if "weight" in names:
+        g = pooled((a.shape[0], b.shape[2], a.shape[2]), b,
+                   torch.promote_types(a.dtype, b.dtype))
         if a.shape[1] == 1:
-            out["weight"] = b[:, 0, :, None] * a[:, 0, None, :]
+            bn, an = b[:, 0, :, None], a[:, 0, None, :]
+            out["weight"] = bn * an if g is None else torch.mul(bn, an, out=g)
         else:
-            out["weight"] = torch.bmm(b.transpose(1, 2), a)
+            bt = b.transpose(1, 2)
+            out["weight"] = torch.bmm(bt, a) if g is None else torch.bmm(bt, a, out=g)
     if "bias" in names:
         out["bias"] = b.sum(1)
     return out
