@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import gradtap as gt
+from gradtap._samples import buffers
 from gradtap.capture import (
     HookSet,
     OncePerBackward,
@@ -328,3 +329,32 @@ def test_the_docs_table_is_the_compat_table():
     expected = [f"| `{a.path}` | {a.used_for} | {a.fallback} | {a.loses or 'nothing'} |"
                 for a in compat.APIS.values()]
     assert rows == expected
+
+
+@pytest.mark.parametrize("path", ["torch._C._storage_Use_Count",
+                                  "torch._C._functorch.is_functorch_wrapped_tensor"])
+def test_result_memory_fallback_builds_every_result_on_new_memory(path):
+    """Without either probe no per-sample result is built on reused memory; the results stay
+    those of ``torch.func.vmap``."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def loss(p, xn, yn):
+        return ((torch.func.functional_call(model, p, (xn[None],)) - yn) ** 2).sum()
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    want = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    with compat.missing(path):
+        for _ in range(3):
+            with gt.per_sample(model, quantities=("grad",), loss_reduction="sum") as ps:
+                ((model(x) - y) ** 2).sum().backward()
+                got = ps.grad
+            model.zero_grad(set_to_none=True)
+            torch.testing.assert_close(got["weight"], want["weight"], rtol=1e-12, atol=1e-12)
+            del got
+        assert len(buffers.pool_for(model)) == 0  # nothing was built on pooled memory
+        assert compat.functorch_wrapped(x) is None or compat.storage_use_count(
+            x.untyped_storage()) is None
+    assert compat.functorch_wrapped(x) is False and compat.storage_use_count(
+        x.untyped_storage()) >= 1

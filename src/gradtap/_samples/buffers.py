@@ -31,16 +31,18 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from gradtap.capture import compat
+
 __all__ = ["CAP", "Pool", "computing", "pool_for", "pooled", "zeros"]
 
 #: The most bytes one model's pool keeps.
 CAP = 256 * 2**20
 
 
-def _refs(bucket: list[torch.UntypedStorage], i: int) -> tuple[int, int]:
+def _refs(bucket: list[torch.UntypedStorage], i: int) -> tuple[int | None, int]:
     """References to the memory ``bucket[i]``: tensors on it, and its Python object."""
     s = bucket[i]
-    return torch._C._storage_Use_Count(s._cdata), sys.getrefcount(s)
+    return compat.storage_use_count(s), sys.getrefcount(s)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -142,7 +144,8 @@ def pooled(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = Non
     as without a pool)."""
     stack = _stack()
     if (stack and like.device.type == "cpu" and not torch.is_grad_enabled()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(like)):
+            and compat.functorch_wrapped(like) is False
+            and compat.available("torch._C._storage_Use_Count")):
         return stack[-1].take(shape, dtype or like.dtype)
     return None
 

@@ -91,6 +91,12 @@ APIS: dict[str, Api] = {a.path: a for a in (
         "a module holding the compiled module as _orig_mod"),
     Api("torch.nn.Module._compiled_call_impl", "running a module compiled in place eagerly",
         "none needed (a torch without it cannot compile a module in place)"),
+    Api("torch._C._storage_Use_Count",
+        "building per-sample results on CPU memory of earlier results that nothing refers to",
+        "new memory for every result", "speed: fresh memory is faulted in at every backward"),
+    Api("torch._C._functorch.is_functorch_wrapped_tensor",
+        "building per-sample results on reused memory only outside torch.func's transforms",
+        "new memory for every result", "speed: fresh memory is faulted in at every backward"),
 )}
 
 def _node_probe() -> Any:
@@ -189,6 +195,21 @@ def warn_fallback(path: str) -> None:
 def available(path: str) -> bool:
     """Whether this torch has the private API ``path`` (one of :data:`APIS`)."""
     return _lookup(path) is not None
+
+
+# -- memory of per-sample results ------------------------------------------------------------
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """How many tensors are on ``storage``, or None where this torch cannot tell."""
+    count = _lookup("torch._C._storage_Use_Count")
+    return None if count is None else int(count(storage._cdata))
+
+
+def functorch_wrapped(t: Tensor) -> bool | None:
+    """Whether ``t`` is wrapped by a ``torch.func`` transform, or None where this torch cannot
+    tell."""
+    wrapped = _lookup("torch._C._functorch.is_functorch_wrapped_tensor")
+    return None if wrapped is None else bool(wrapped(t))
 
 
 # -- the autograd engine ----------------------------------------------------------------------
