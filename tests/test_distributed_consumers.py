@@ -6,14 +6,16 @@ runs several checks."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import gradtap as gt
-from tests._dist import gloo_available, run_ranks
+from tests._dist import gloo_available
 from tests._dist_monitor import wrap
+from tests._dist_shared import ranks_once
 
 needs_gloo = pytest.mark.skipif(not gloo_available(),
                                 reason="torch.distributed with gloo is not in this torch build")
@@ -196,9 +198,16 @@ def _ddp_worker(rank: int, world: int) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The DDP and the FSDP2 workers' results, from one start of two ranks."""
+    return ranks_once(tmp_path_factory, "consumers", 2,
+                      {"ddp": _ddp_worker, "fsdp": _fsdp_worker}, timeout=240)
+
+
 @needs_gloo
-def test_ddp_records_detect_agreement_and_replay():
-    out = run_ranks(_ddp_worker, 2, timeout=120)
+def test_ddp_records_detect_agreement_and_replay(ranks):
+    out = [r["ddp"] for r in ranks]
     for rank, r in enumerate(out):
         assert r["session"] == ["ddp", rank, 2]
         tap = r["tap"]
@@ -360,8 +369,8 @@ def _check_clipped(r: dict, rank: int) -> None:
 
 
 @needs_gloo
-def test_fsdp2_records_transforms_and_detect():
-    out = run_ranks(_fsdp_worker, 2, timeout=150)
+def test_fsdp2_records_transforms_and_detect(ranks):
+    out = [r["fsdp"] for r in ranks]
     ref = _one_process_grads()
     for rank, r in enumerate(out):
         assert r["session"] == ["fsdp2", rank, 2]

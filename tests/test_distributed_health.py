@@ -6,10 +6,13 @@ most two collectives per ``mon.step``."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
-from tests._dist import gloo_available, run_ranks
+from tests._dist import gloo_available
+from tests._dist_shared import ranks_once
 from tests.test_health import gns_oracle
 
 needs_gloo = pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo needed")
@@ -25,12 +28,22 @@ def _pieces(source: str, micro: int, world: int, batch: int) -> list[list[int]]:
     return [list(range(i, i + size)) for i in range(0, batch, size)]
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Both tests' rank results, from one start of two ranks."""
+    from tests import _dist_health as W
+
+    return ranks_once(tmp_path_factory, "health", 2,
+                      {"gns": (W.gns_modes, {"runs": RUNS}), "split": W.split_run},
+                      timeout=480)
+
+
 @needs_gloo
-def test_noise_scale_gain_and_loss_under_ddp_and_fsdp2_match_one_process(tmp_path):
+def test_noise_scale_gain_and_loss_under_ddp_and_fsdp2_match_one_process(ranks):
     from tests import _dist_health as W
     from tests._dist_monitor import BATCH
 
-    results = run_ranks(W.gns_modes, 2, kwargs={"runs": RUNS}, timeout=300)
+    results = [r["gns"] for r in ranks]
     ref = W.reference_gns()
     for mode, source, micro in RUNS:
         key = f"{mode}/{source}/{micro}"
@@ -54,11 +67,11 @@ def test_noise_scale_gain_and_loss_under_ddp_and_fsdp2_match_one_process(tmp_pat
 
 
 @needs_gloo
-def test_split_slices_with_the_expert_dimension_sharded_by_fsdp2(tmp_path):
+def test_split_slices_with_the_expert_dimension_sharded_by_fsdp2(ranks):
     from tests import _dist_health as W
     from tests.test_tensorops import oracle
 
-    results = run_ranks(W.split_run, 2, timeout=240)
+    results = [r["split"] for r in ranks]
     rows = [r["rows"] for r in results]
     assert rows[0] == rows[1]
     got = {(s, n, k, st): v for s, n, k, st, v in rows[0]}

@@ -2,10 +2,13 @@
 those of the gradient before the clip (accumulated over the step's backwards), the step also
 stores the clip's total norm and factor, and the script runs bit for bit as without gradtap.
 The oracle is the script itself: it saves what `clip_grad_norm_` returned and the gradient
-norms it saw before and after the clip, and its final parameters."""
+norms it saw before and after the clip, and its final parameters. The scripts' runs without
+gradtap (the oracles) are made once for the module, all in one Python process (see
+``plain``); each run under ``gradtap watch`` is a process of its own, as a user's would be."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -19,6 +22,7 @@ import torch
 import gradtap as gt
 from gradtap.cli import main
 from gradtap.report.data import build_report_data
+from tests._shared_run import once_per_session
 
 SRC = str(Path(gt.__file__).resolve().parent.parent)
 
@@ -70,13 +74,57 @@ torch.save(dict(model.named_parameters()), "params.pt")
 """
 
 
-def _run_plain(folder: Path, clip: str, micro: int) -> str:
-    folder.mkdir()
-    done = subprocess.run([sys.executable, str(folder.parent / "train.py"), clip, str(micro)],
-                          cwd=folder, capture_output=True, text=True, timeout=300,
+# Runs scripts as `python SCRIPT ARGS...` would, one after the other in this process: each in
+# its own folder (its working directory), with its own sys.argv, its output (fd 1) in the
+# folder's stdout.txt.
+PLAIN_DRIVER = """
+import json, os, runpy, sys
+for case in json.loads(sys.argv[1]):
+    os.chdir(case["cwd"])
+    sys.argv = [case["script"], *case["args"]]
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open("stdout.txt", "w") as out:
+        os.dup2(out.fileno(), 1)
+        try:
+            runpy.run_path(case["script"], run_name="__main__")
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+"""
+
+
+def _available(*names: str) -> bool:
+    return all(importlib.util.find_spec(n) is not None for n in names)
+
+
+def _plain_runs(root: Path) -> None:
+    scripts = {"train.py": SCRIPT, "hf.py": HF, "pl.py": LIGHTNING}
+    for name, text in scripts.items():
+        (root / name).write_text(text)
+    # The plain-torch cases first: the frameworks' imports come after them.
+    cases = [("train.py", [clip, str(micro)]) for clip, micro in PLAIN_CASES]
+    if _available("transformers", "accelerate"):
+        cases.append(("hf.py", []))
+    if _available("lightning"):
+        cases += [("pl.py", [str(clip)]) for clip in LIGHTNING_CLIPS]
+    todo = []
+    for script, args in cases:
+        folder = root / "-".join([Path(script).stem, *args])
+        folder.mkdir()
+        todo.append({"cwd": str(folder), "script": str(root / script), "args": args})
+    done = subprocess.run([sys.executable, "-c", PLAIN_DRIVER, json.dumps(todo)], cwd=root,
+                          capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": SRC})
     assert done.returncode == 0, done.stderr
-    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of every script's run without gradtap: ``<script>-<args>/`` holds its
+    stdout.txt and what it wrote (record.json, params.pt)."""
+    return once_per_session(tmp_path_factory, "watch-clip-plain", _plain_runs)
 
 
 def _run_watched(folder: Path, clip: str, micro: int, capfd: pytest.CaptureFixture[str],
@@ -100,16 +148,20 @@ def _bit_identical(plain: Path, watched: Path) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+# (clip, backwards per step) of the plain-torch script's runs.
+PLAIN_CASES = [("norm", 1), ("norm", 2), ("value", 2)]
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_clip_grad_norm_the_norms_before_the_clip_and_its_factor(tmp_path, capfd, monkeypatch,
-                                                                 micro):
+                                                                 micro, plain):
     (tmp_path / "train.py").write_text(SCRIPT)
-    plain_out = _run_plain(tmp_path / "plain", "norm", micro)
+    oracle = plain / f"train-norm-{micro}"
     watched_out = _run_watched(tmp_path / "watched", "norm", micro, capfd, monkeypatch)
-    assert watched_out == plain_out
-    _bit_identical(tmp_path / "plain", tmp_path / "watched")
+    assert watched_out == (oracle / "stdout.txt").read_text()
+    _bit_identical(oracle, tmp_path / "watched")
     record = json.loads((tmp_path / "watched" / "record.json").read_text())
-    assert record == json.loads((tmp_path / "plain" / "record.json").read_text())
+    assert record == json.loads((oracle / "record.json").read_text())
 
     run = gt.open_run(tmp_path / "watched" / "run")
     assert run.steps == list(range(6))
@@ -137,12 +189,12 @@ def test_clip_grad_norm_the_norms_before_the_clip_and_its_factor(tmp_path, capfd
 
 
 def test_clip_grad_value_the_norms_before_the_clip_and_each_tensors_factor(tmp_path, capfd,
-                                                                           monkeypatch):
+                                                                           monkeypatch, plain):
     (tmp_path / "train.py").write_text(SCRIPT)
-    plain_out = _run_plain(tmp_path / "plain", "value", 2)
+    oracle = plain / "train-value-2"
     watched_out = _run_watched(tmp_path / "watched", "value", 2, capfd, monkeypatch)
-    assert watched_out == plain_out
-    _bit_identical(tmp_path / "plain", tmp_path / "watched")
+    assert watched_out == (oracle / "stdout.txt").read_text()
+    _bit_identical(oracle, tmp_path / "watched")
     record = json.loads((tmp_path / "watched" / "record.json").read_text())
     run = gt.open_run(tmp_path / "watched" / "run")
     assert "<clip>" not in run.names  # an elementwise clip has no total norm
@@ -220,20 +272,17 @@ print("params", json.dumps([p.double().sum().item() for p in model.parameters()]
 
 
 def test_a_hugging_face_trainer_script_stores_the_norm_the_trainer_logs(tmp_path, capfd,
-                                                                          monkeypatch):
+                                                                          monkeypatch, plain):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     (tmp_path / "hf.py").write_text(HF)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", SRC)
-    plain = subprocess.run([sys.executable, "hf.py"], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONPATH": SRC})
-    assert plain.returncode == 0, plain.stderr
     capfd.readouterr()
     assert main(["watch", "--out", "run", "--", sys.executable, "hf.py"]) == 0
     out = capfd.readouterr().out
     mine = [line for line in out.splitlines() if line.startswith(("logged", "params"))]
-    assert mine == [line for line in plain.stdout.splitlines()
+    assert mine == [line for line in (plain / "hf" / "stdout.txt").read_text().splitlines()
                     if line.startswith(("logged", "params"))]  # the same training
     logged = json.loads(mine[0].split(" ", 1)[1])
     run = gt.open_run(tmp_path / "run")
@@ -281,21 +330,21 @@ print("params", json.dumps([p.double().sum().item() for p in model.parameters()]
 """
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.01])
-def test_a_lightning_script_its_closure_and_its_clip(tmp_path, capfd, monkeypatch, clip):
+LIGHTNING_CLIPS = [0.0, 0.01]
+
+
+@pytest.mark.parametrize("clip", LIGHTNING_CLIPS)
+def test_a_lightning_script_its_closure_and_its_clip(tmp_path, capfd, monkeypatch, clip, plain):
     # Lightning steps its optimizer with a closure that runs the last micro-batch's backward
     # inside step(): the statistics are those of the whole step's gradient all the same.
     pytest.importorskip("lightning")
     (tmp_path / "pl.py").write_text(LIGHTNING)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", SRC)
-    plain = subprocess.run([sys.executable, "pl.py", str(clip)], capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC})
-    assert plain.returncode == 0, plain.stderr
     capfd.readouterr()
     assert main(["watch", "--out", "run", "--", sys.executable, "pl.py", str(clip)]) == 0
     out = capfd.readouterr().out
-    assert out == plain.stdout
+    assert out == (plain / f"pl-{clip}" / "stdout.txt").read_text()
     printed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
                if line.startswith("norms ")]
     totals = [float(line.split()[1]) for line in out.splitlines() if line.startswith("total ")]
