@@ -245,3 +245,35 @@ def test_each_meeting_gives_the_shared_lookup_its_closed_form(how: str, bd: int)
 
     for k, r in loop_oracle(model, alone, 3, ps.names).items():
         torch.testing.assert_close(got[k], r, msg=lambda m, k=k: f"grad {k}: {m}")
+
+
+class Checkpointed(Positions):
+    """Positions under a non-reentrant checkpoint: the meeting's gradient comes from the
+    original graph, its saved tensors recomputed."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, ids, use_reentrant=False)
+
+
+@pytest.mark.parametrize("case", ["checkpoint", "two forwards", "retain_graph"])
+def test_closed_form_across_checkpoints_forwards_and_backwards(case: str) -> None:
+    model = Checkpointed(5, 3) if case == "checkpoint" else Positions(5, 3)
+    a, b = torch.randint(0, 5, (3, 3)), torch.randint(0, 5, (3, 3))
+
+    def loss(i: slice) -> Tensor:
+        out = model(a[i]).square().sum()
+        return out + model(b[i]).sin().sum() if case == "two forwards" else out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no replay
+        with gt.per_sample(model, loss_reduction="sum") as ps:
+            total = loss(slice(None))
+            total.backward(retain_graph=case == "retain_graph")
+            if case == "retain_graph":
+                total.backward()  # the same forward's gradient again: results add up
+        got = ps.grad
+    times = 2 if case == "retain_graph" else 1
+    for k, r in loop_oracle(model, lambda i: loss(slice(i, i + 1)), 3, ps.names).items():
+        torch.testing.assert_close(got[k], times * r, msg=lambda m, k=k: f"grad {k}: {m}")
