@@ -68,6 +68,7 @@ class _Follow(TorchFunctionMode):
         super().__init__()
         self.attr, self.token = attr, token
         self.meet: Callable[[str, tuple, dict[str, Any] | None, Any], None] | None = None
+        self.shared_op: Callable[[tuple, Any], None] | None = None
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -82,6 +83,8 @@ class _Follow(TorchFunctionMode):
                 break
         else:
             if not kwargs or not any(_marked(v, attr, token) for v in kwargs.values()):
+                if self.shared_op is not None and args:
+                    self.shared_op(args, out)
                 return out
         _mark(out, attr, token)
         name = getattr(func, "__name__", "")
@@ -110,12 +113,13 @@ class Membership:
         """The attribute this membership marks tensors under."""
         return self._attr
 
-    def report_meetings(self, meet: Callable[[str, tuple, dict[str, Any] | None, Any], None]
-                        ) -> None:
+    def report_meetings(self, meet: Callable[[str, tuple, dict[str, Any] | None, Any], None],
+                        shared_op: Callable[[tuple, Any], None]) -> None:
         """Until this forward ends, call ``meet(name, args, kwargs, out)`` after each op of
-        :data:`MEETS` that got a tensor computed from the batch."""
+        :data:`MEETS` that got a tensor computed from the batch, and ``shared_op(args, out)``
+        after each op that got none."""
         if self._mode is not None:
-            self._mode.meet = meet
+            self._mode.meet, self._mode.shared_op = meet, shared_op
 
     @property
     def following(self) -> bool:

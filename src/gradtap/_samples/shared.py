@@ -6,7 +6,8 @@ or a Linear) has an output gradient summed over the samples, so its own record c
 it. But its output ``o`` is shared only until it meets the batch: at a broadcasting ``add``,
 ``sub`` or ``mul`` with a tensor computed from the batch, ``r = x + o`` has one row per
 sample, and sample n's gradient of ``o`` is ``r``'s output gradient at row n (times the
-other factor for a ``mul``), summed over the other broadcast dims. That is what a hook on
+other factor for a ``mul``), summed over the other broadcast dims. A view of ``o`` that only
+adds leading dims of size 1 (``o[None]``) meets the batch as ``o`` would. That is what a hook on
 ``r`` keeps (:meth:`Shared.meet`); the rule then gets it as the output gradient of the call,
 with the call's input expanded along the batch dim, instead of a replay of an enclosing call.
 
@@ -88,7 +89,24 @@ class Shared:
         except (AttributeError, RuntimeError):  # a tensor type without a __dict__
             return
         self._watches[w.key] = w
-        m.report_meetings(self.meet)
+        m.report_meetings(self.meet, self.view)
+
+    def view(self, args: tuple, out: Any) -> None:
+        """An op that got no batched tensor ran: a view of a watched output with leading
+        dims of size 1 added (``o[None]``, ``o.unsqueeze(0)``: the same elements in the same
+        order) is watched as the output itself."""
+        o = args[0]
+        w = getattr(o, self._attr, None) if isinstance(o, Tensor) else None
+        if not isinstance(w, _Watch) or not isinstance(out, Tensor) or out is o:
+            return
+        k = out.dim() - o.dim()
+        if (k <= 0 or out.shape[k:] != o.shape or any(d != 1 for d in out.shape[:k])
+                or out.stride()[k:] != o.stride() or out.data_ptr() != o.data_ptr()):
+            return
+        try:
+            setattr(out, self._attr, w)
+        except (AttributeError, RuntimeError):
+            pass
 
     def meet(self, name: str, args: tuple, kwargs: dict[str, Any] | None, out: Any) -> None:
         """``name`` (one of ``membership.MEETS``) got a batched tensor: if the other operand is a
