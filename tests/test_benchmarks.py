@@ -211,6 +211,15 @@ def test_per_sample_goal_rows_quick(capsys):
     assert one.count("Goal rows,") == 1 and "float64, 1 thread," in one
 
 
+def test_per_sample_shared_quick(capsys):
+    """The shared-position benchmark: gradtap equal to the loop of backwards, no replay (a
+    replay's warning would raise inside it), every variant timed at both batch sizes."""
+    text = importlib.import_module("per_sample_shared").main(["--quick"])
+    rows = [r for r in text.splitlines() if "| gt.per_sample |" in r]
+    assert len(rows) == 2 and text.count("| loop of backwards |") == 2
+    assert all(float(r.strip(" |").split("|")[-1]) < 1e-5 for r in rows)
+
+
 def test_store_scale_quick(capsys):
     assert importlib.import_module("store_scale").main(["--quick"]) == 0
     out = capsys.readouterr().out

@@ -1261,6 +1261,12 @@ def test_benchmark_quick_runs_and_prints_the_table(capsys):
     assert "| variant | ms / step | ratio vs plain |" in out
     for row in ("plain step", "when='accumulate'", "when='backward'", "when='step'"):
         assert row in out
+    assert module.main(["--quick", "--clip-norm"]) == 0
+    out = capsys.readouterr().out
+    assert "(27 tensors)" in out
+    for row in ("| plain step |", "| clip_norm, one pass per backward |",
+                "| clip_norm, one tensor at a time |"):
+        assert row in out
 
 
 def test_backward_mode_refuses_a_parameter_used_outside_its_module():

@@ -84,12 +84,41 @@ def test_clip_norm_update_many_equals_update_per_tensor_exactly(shapes, dtypes, 
     grads = [(torch.randn(tuple(s), generator=g, dtype=torch.float64) * scale).to(d)
              for s, d in zip(shapes, dtypes)]
     t = gt.clip_norm(max_norm)
-    assert not is_batched(t)  # per tensor on accumulate: compiled autograd supports it
+    assert is_batched(t)  # on accumulate: one pass at the end of each backward
     many, _ = t.update_many(grads, [t.init(x) for x in grads], [None] * len(grads))
     for x, got in zip(grads, many, strict=True):
         one = t.update(x, t.init(x), None)[0]
         assert got.dtype == x.dtype and torch.equal(got, one)
         assert torch.equal(got, _clip_by_hand(x, max_norm))
+
+
+def test_clip_norm_on_accumulate_runs_once_per_backward_as_one_by_one():
+    """``when="accumulate"``: every tensor the backward reached is clipped in one pass at its
+    end (a hook that runs as a gradient is accumulated still sees it unclipped), with the
+    numbers of the per-tensor formula bit for bit, over two backwards accumulating."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    net[2].double()
+    xs = [torch.randn(5, 4) for _ in range(2)]
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        h = net[1](net[0](x)).double()
+        return net[4](net[3](net[2](h)).float()).square().sum() * 10
+
+    want = {}
+    for x in xs:  # the oracle: autograd's gradients, accumulated and clipped by hand
+        for n, g in zip([n for n, _ in net.named_parameters()],
+                        torch.autograd.grad(loss(x), list(net.parameters())), strict=True):
+            want[n] = _clip_by_hand(g if n not in want else want[n] + g, 0.3)
+    seen: list[float] = []
+    first = net[0].weight
+    with gt.transform(net, {"*": gt.clip_norm(0.3)}, when="accumulate"):
+        first.register_post_accumulate_grad_hook(lambda p: seen.append(float(p.grad.norm())))
+        for x in xs:
+            loss(x).backward()
+    assert all(v > 0.3 + 1e-6 for v in seen)  # unclipped when accumulated, not yet clipped
+    for n, p in net.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
 
 
 def test_clip_norm_one_by_one_and_together_agree(device):

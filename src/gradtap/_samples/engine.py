@@ -45,6 +45,7 @@ from gradtap._samples.membership import Membership
 from gradtap._samples.own_grad import OwnForward, OwnGrad, lost_error
 from gradtap._samples.owners import check_module, describe, enclosing_modules
 from gradtap._samples.replays import Replays
+from gradtap._samples.shared import Shared
 from gradtap._samples.sketch import Sketches
 from gradtap._samples.spec import LossReduction, Quantity, Spec
 from gradtap._samples.units import Frame, watch_outputs
@@ -93,6 +94,7 @@ class PerSample:
         self._own = OwnGrad(spec, self._hooks, self.own_grad, self._membership)
         self._replays = Replays(spec)
         self._pool = pool_for(spec.model)
+        self._shared = Shared(self._membership, self._hooks, spec.batch_dim)
         self._busy = False  # per_sample computes: see _computing
         self._queued = False
         self.batch_size: int | None = None
@@ -156,6 +158,8 @@ class PerSample:
             owner.calls = 0
             owner.seen = set()
         self._calls = Calls(self._spec, self._membership)
+        self._shared.new_group()
+        self._shared.new_backward()
         self._own.clear()
         self._step = Step(self._spec)
 
@@ -163,6 +167,7 @@ class PerSample:
         """Forget what the last backward computed (merged already) and its increments."""
         self._step = Step(self._spec)
         self._own.new_backward()
+        self._shared.new_backward()
 
     @contextmanager
     def _computing(self) -> Iterator[None]:
@@ -223,6 +228,7 @@ class PerSample:
         if self._calls.group_over():
             self._calls.new_group()
             self._own.new_group()
+            self._shared.new_group()
 
     def _set_batch_size(self, who: str, n: int) -> None:
         if self.batch_size is None:
@@ -247,6 +253,7 @@ class PerSample:
                 self.batch_size = samples_in(name, inputs, self.batch_dim)
         self._own.called(name, call)
         self._calls.on_forward(owner, call, module, frames, inputs, outputs, self.batch_size)
+        self._shared.watch(owner, call, inputs, outputs, self.batch_size)
 
     # -- backward side ----------------------------------------------------------------------
 
@@ -291,6 +298,14 @@ class PerSample:
             call = self._calls.arguments(rec)
             with self._computing():
                 self._step.add_call(owner, rec, names, n, call)  # type: ignore[arg-type]
+            return
+        shared = self._shared.record(owner, rec)
+        names = self._calls.shared_names(owner, rec) if shared is not None else {}
+        if names:
+            assert n is not None
+            with self._computing():
+                self._step.add_call(owner, shared, names, n, None)  # type: ignore[arg-type]
+            self._shared.answered(list(names.values()))
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -300,7 +315,13 @@ class PerSample:
             if n == 0:  # an empty batch: [0, *shape] for every parameter
                 step.grad = {q: p.new_zeros((0, *p.shape)) for q, p in self._spec.params.items()}
             elif n is not None and step.increments:
-                flagged = self._calls.flagged
+                # Shared calls answered in closed form at every use are checked like the
+                # others; those whose meetings missed part of their gradient are replayed.
+                closed = self._shared.closed(self._calls.direct_calls)
+                flagged = {q: why for q, why in self._calls.flagged.items() if q not in closed}
+                for q in closed & self._shared.incomplete(step.largest):
+                    step.late.setdefault(q, (self._calls.flagged[q][0], "its shared output "
+                                             "met the batch outside an add, sub or mul"))
                 late = check_sums(self._spec, step, n, self._own.owned_only(),
                                   set(flagged) | set(step.late))
                 suspects = {**flagged, **step.late, **late}

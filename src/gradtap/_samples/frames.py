@@ -66,6 +66,7 @@ class Calls:
         self._frames = []
         self._outer_calls = 0
         self._enclosing: dict[str, list[tuple[Frame, ...]]] = {}  # qual -> frames per use
+        self._direct: dict[str, int] = {}  # qual -> calls of a module holding it directly
         self.flagged: dict[str, tuple[str, str]] = {}  # qual -> (repr of module, reason)
         self._flagged_calls: set[tuple[str, int]] = set()
         self._covered: dict[tuple[str, int], set[str]] = {}
@@ -161,6 +162,8 @@ class Calls:
         quals = owner.quals
         for q in quals:
             self._enclosing.setdefault(q, []).append(frames)
+        for q in owner.direct.values():
+            self._direct[q] = self._direct.get(q, 0) + 1
         # The calls around this one (its own too, when it is one: a replay of it with every
         # argument as passed is the first thing to try for a module without a rule).
         own = frames[-1] if frames and frames[-1].module is module else None
@@ -204,6 +207,18 @@ class Calls:
                         and qual not in self.flagged):
                     names[rel] = qual
         return names
+
+    def direct_calls(self, qual: str) -> int:
+        """How many calls of the modules holding ``qual`` this forward group made."""
+        return self._direct.get(qual, 0)
+
+    def shared_names(self, owner: Owner, rec: GradRecord) -> dict[str, str]:
+        """The parameters a flagged call of ``owner`` gives per-sample gradients to in
+        closed form (``shared``): its own, but none an enclosing module's replay covers."""
+        if (rec.module_name, rec.call) not in self._flagged_calls:
+            return {}
+        covered = self._covered.get((rec.module_name, rec.call), set())
+        return {rel: q for rel, q in owner.direct.items() if q not in covered}
 
     def arguments(self, rec: GradRecord) -> KeptCall | None:
         """The arguments of the record's call as passed, when it was kept as its own frame

@@ -10,7 +10,9 @@ of any torch function or tensor method that got a marked tensor, and the tensor 
 op or ``out=`` wrote a marked value into. A tensor made without one (a factory call, a
 parameter, a buffer, a view of either) is not marked: it is shared by all samples, whatever
 its shape. The mark is the forward's own token, so a tensor kept from an earlier forward is
-not taken for one of this forward's.
+not taken for one of this forward's. Where a shared call's output is watched (``shared``),
+each ``add``/``sub``/``mul`` that got a marked tensor is reported too: where the shared output
+meets the batch.
 
 Where no forward was followed (an owner called outside the model's call), the row count
 decides, as before.
@@ -26,7 +28,13 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Membership"]
+__all__ = ["ADDS", "MEETS", "MULS", "SUBS", "Membership"]
+
+ADDS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+SUBS = frozenset({"sub", "subtract", "__sub__", "sub_", "__isub__", "__rsub__"})
+MULS = frozenset({"mul", "multiply", "__mul__", "__rmul__", "mul_", "__imul__"})
+#: The broadcasting ops at which a shared tensor may meet the batch (``shared``).
+MEETS = ADDS | SUBS | MULS
 
 # Each Membership marks under an attribute of its own: two open per_samples follow the same
 # forward, each with its own token.
@@ -59,6 +67,8 @@ class _Follow(TorchFunctionMode):
     def __init__(self, attr: str, token: object) -> None:
         super().__init__()
         self.attr, self.token = attr, token
+        self.meet: Callable[[str, tuple, dict[str, Any] | None, Any], None] | None = None
+        self.shared_op: Callable[[tuple, Any], None] | None = None
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -73,6 +83,8 @@ class _Follow(TorchFunctionMode):
                 break
         else:
             if not kwargs or not any(_marked(v, attr, token) for v in kwargs.values()):
+                if self.shared_op is not None and args:
+                    self.shared_op(args, out)
                 return out
         _mark(out, attr, token)
         name = getattr(func, "__name__", "")
@@ -81,6 +93,8 @@ class _Follow(TorchFunctionMode):
             _mark(args[0], attr, token)  # written in place: it holds samples now
         if kwargs and "out" in kwargs:
             _mark(kwargs["out"], attr, token)
+        if self.meet is not None and name in MEETS:
+            self.meet(name, args, kwargs, out)
         return out
 
 
@@ -93,6 +107,19 @@ class Membership:
         self._depth = 0
         self.token: object | None = None
         self._attr = f"_gradtap_samples_{next(_NAMES)}"
+
+    @property
+    def attr(self) -> str:
+        """The attribute this membership marks tensors under."""
+        return self._attr
+
+    def report_meetings(self, meet: Callable[[str, tuple, dict[str, Any] | None, Any], None],
+                        shared_op: Callable[[tuple, Any], None]) -> None:
+        """Until this forward ends, call ``meet(name, args, kwargs, out)`` after each op of
+        :data:`MEETS` that got a tensor computed from the batch, and ``shared_op(args, out)``
+        after each op that got none."""
+        if self._mode is not None:
+            self._mode.meet, self._mode.shared_op = meet, shared_op
 
     @property
     def following(self) -> bool:

@@ -2,7 +2,8 @@
 
 * ``when="accumulate"``: a post-accumulate event per parameter (``HookSet``); group-only
   rules once at the end of each backward that reached them, over all their parameters;
-  batched rules (the spike rules) at the end of each backward, over the parameters it reached;
+  batched rules (``clip_norm``, the spike rules) at the end of each backward, over the
+  parameters it reached (one by one under compiled autograd, which refuses that callback);
 * ``when="step"``: every rule over its parameters' ``.grad`` right before ``optimizer.step()``
   (rules that read the optimizer get it as ``optimizer=``);
 * ``when="backward"``: each call's contribution to a parameter, rewritten by a tap's
@@ -104,11 +105,17 @@ def _install_accumulate(targets: _Group, hooks: HookSet, amp: ScalerWatch | None
     if batched:
         # Per-tensor rules with a batched update_many: the same result as one by one as each
         # .grad is accumulated, in a few kernels for all the parameters the backward reached.
+        # Under compiled autograd (no end-of-backward callback) they run one by one instead.
         def after_backward_each(reached: list[int]) -> None:
             for group in _by_rule([batched[i] for i in reached]):
                 apply_group(group, factor_of)
 
-        hooks.after_accumulation([[p] for _, p in batched], after_backward_each)
+        def one(i: int, p: Tensor) -> None:
+            g = p.grad
+            if g is not None:
+                p.grad = apply_one(batched[i][0], g, p, None if amp is None else amp.factor(p))
+
+        hooks.after_accumulation([[p] for _, p in batched], after_backward_each, one)
 
 
 def _install_step(targets: _Group, hooks: HookSet, optimizer: torch.optim.Optimizer,

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from gradtap._tensorops import ewma_init, ewma_update_, group_by_device_dtype, group_norms
 from gradtap._tensorops.sharded import centered_rows, is_sharded, local, rebuild, sumsq_whole
-from gradtap._transform.base import State, Transform, _mark_group_only, stateless
+from gradtap._transform.base import State, Transform, _mark, _mark_group_only, stateless
 from gradtap._types import is_int
 
 __all__ = [
@@ -192,9 +192,9 @@ def clip_norm(max_norm: float) -> Transform:
         return out, list(states)
 
     plain = stateless(fn)
-    # Not marked batched: with when="accumulate" it runs per tensor as each .grad is
-    # accumulated, which compiled autograd supports (an end-of-backward pass it refuses).
-    return Transform(plain.init, plain.update, update_many)
+    # Batched: with when="accumulate" one pass at the end of each backward over the tensors
+    # it reached; under compiled autograd, which refuses that callback, one by one (``fn``).
+    return Transform(plain.init, _mark(plain.update, batched=True), update_many)
 
 
 def clip_global_norm(max_norm: float) -> Transform:

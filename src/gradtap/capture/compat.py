@@ -256,6 +256,15 @@ def queue_callback(fn: Callable[[], None]) -> None:
     _queue_callback(fn)
 
 
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd runs (or traces) the backward now: it refuses an
+    end-of-backward callback. Without the module imported it cannot be on (no import here:
+    importing dynamo costs seconds)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(ca, "in_compiled_autograd_region", False))
+
+
 # -- grad mode, fused checks ------------------------------------------------------------------
 
 

@@ -65,13 +65,16 @@ class HookSet:
         self._params.append(param)
 
     def after_accumulation(self, groups: list[list[Tensor]],
-                           fn: Callable[[list[int]], None]) -> None:
+                           fn: Callable[[list[int]], None],
+                           each: Callable[[int, Tensor], None] | None = None) -> None:
         """Run ``fn(reached)`` once at the end of each backward that accumulated into at least
         one parameter of ``groups``; ``reached`` lists those groups' indices, in order.
 
         A backward nested inside a node of another backward (reentrant activation
         checkpointing) is not the end: ``fn`` waits for the enclosing backward, whose other
-        gradients are still to come.
+        gradients are still to come. Under compiled autograd, which refuses an end-of-backward
+        callback, ``each(i, p)`` runs instead as parameter ``p`` of group ``i`` is accumulated
+        (without ``each``, such a backward raises).
         """
         reached = [False] * len(groups)
         queued: list[int | None] = [None]  # the graph task whose end is already awaited
@@ -104,6 +107,9 @@ class HookSet:
             for p in params:
 
                 def on_accumulated(p: Tensor, _i: int = i) -> None:
+                    if each is not None and compat.compiled_autograd_active():
+                        each(_i, p)
+                        return
                     reached[_i] = True
                     task = graph_task_id()
                     if task != queued[0]:
