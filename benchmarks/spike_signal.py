@@ -209,13 +209,14 @@ def table_spikes(table: np.ndarray) -> list[tuple[int, int]]:
 def offline_recall(res: Result, trials: int, seed: int) -> tuple[int, int]:
     """Trials of a x10 norm at a random (step after the warm-up, tensor) of the healthy run's
     stored norms: ``(flagged there with first naming it, trials)``. The scores at step t are
-    those of the rows up to t; the last 200 are enough (every window full)."""
+    those of the rows up to t, from the first (the steps at which a history's statistics are
+    recomputed count from its first value)."""
     rng = np.random.default_rng(seed)
     steps, n = res.table.shape
     hits = 0
     for _ in range(trials):
         t, i = int(rng.integers(WARMUP, steps)), int(rng.integers(n))
-        rows = res.table[max(0, t - 200):t + 1].copy()
+        rows = res.table[:t + 1].copy()
         rows[-1, i] *= 10.0
         z = scores(rows)[-1]
         flagged = [k for k in reversed(range(n)) if z[k] > THRESHOLD]  # backward order

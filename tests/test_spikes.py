@@ -21,7 +21,6 @@ from gradtap._tensorops.spikes import (
     NEIGHBOURS,
     PAIR_GATE,
     PAIR_REFRESH,
-    REFRESH,
     SCALE_FLOOR,
     THRESHOLD,
     WARMUP,
@@ -36,7 +35,7 @@ def _spread(values: list[float]) -> float:
     return 1.4826 * statistics.median(abs(v) for v in values)
 
 
-def _held(c: int, every: int = REFRESH) -> int:
+def _held(c: int, every: int = 1) -> int:
     """How many of a history's values its statistics are taken from, when ``c`` precede the
     value: all while fewer than ``2 * WINDOW``, else those up to the last multiple of
     ``every``."""
@@ -52,7 +51,7 @@ def _baseline(h: list[float]) -> float:
     return statistics.median(w) + slope * ((k + 1) / 2 + (len(h) - r))
 
 
-def _held_spread(h: list[float], every: int = REFRESH) -> float:
+def _held_spread(h: list[float], every: int = 1) -> float:
     return _spread(h[:_held(len(h), every)][-WINDOW:])
 
 

@@ -50,22 +50,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["EXACT", "MIN_COMMON", "NEIGHBOURS", "PAIR_GATE", "PAIR_REFRESH", "REFRESH",
-           "SCALE_FLOOR", "THRESHOLD", "WARMUP", "WINDOW", "OnlineScores", "check_spike_args",
+__all__ = ["EXACT", "MIN_COMMON", "NEIGHBOURS", "PAIR_GATE", "PAIR_REFRESH", "SCALE_FLOOR",
+           "THRESHOLD", "WARMUP", "WINDOW", "OnlineScores", "check_spike_args",
            "scores", "series_scores"]
 
 #: Values of history the baseline and the scale are taken over.
 WINDOW = 64
-#: Values of a history before its statistics are recomputed only before every ``REFRESH``-th
-#: (or ``PAIR_REFRESH``-th) value, not before each one: the first steps of training move
-#: fastest.
+#: Values of a pair's history before its spread is recomputed only before every
+#: ``PAIR_REFRESH``-th value, not before each one (a tensor's baseline and scale are
+#: recomputed before each value): the first steps of training move fastest.
 EXACT = 2 * WINDOW
-#: Values between two recomputations of a tensor's baseline and scale and of the common scale
-#: after ``EXACT`` values (a divisor of ``EXACT``); in between they hold, the baseline carried
-#: along its slope.
-REFRESH = 4
 #: Values between two recomputations of a pair's spread after ``EXACT`` (a divisor of
-#: ``EXACT``).
+#: ``EXACT``); in between it holds.
 PAIR_REFRESH = 32
 #: Default values of a tensor's history before its norms are scored.
 WARMUP = 20
@@ -109,7 +105,7 @@ def _log_valid(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.log(values[ok]), np.flatnonzero(ok)
 
 
-def _held(t: np.ndarray, every: int = REFRESH) -> np.ndarray:
+def _held(t: np.ndarray, every: int = 1) -> np.ndarray:
     """The position whose history gives the statistics at each position ``t`` of a series:
     ``t`` itself while fewer than ``EXACT`` values precede it, else the last multiple of
     ``every``."""
@@ -157,21 +153,20 @@ def _offsets() -> np.ndarray:
     return np.array([o for k in range(1, NEIGHBOURS + 1) for o in (-k, k)], dtype=np.int64)
 
 
-def _stats(x: np.ndarray, f: Stat, least: int, every: int = REFRESH) -> tuple[np.ndarray, ...]:
+def _stats(x: np.ndarray, f: Stat, least: int, every: int = 1) -> tuple[np.ndarray, ...]:
     """``f`` (:func:`_baselines` or :func:`_spreads`) at each position ``t`` of ``x``: of the
     up to ``WINDOW`` values before ``_held(t, every)`` (NaN where ``t < least``)."""
     got, index = _held_stats(x, f, least, every)
     return tuple(np.append(g, np.nan)[index] for g in got)  # index -1: the NaN
 
 
-def _held_stats(x: np.ndarray, f: Stat, least: int, every: int = REFRESH
+def _held_stats(x: np.ndarray, f: Stat, least: int, every: int = 1
                 ) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """``f`` at the positions ``_held`` names (each from ``least`` to ``EXACT``, then every
     ``every``-th), and for each position of ``x`` the index of its own among them (-1 where
     ``t < least``)."""
     size = len(x)
     early = np.arange(least, min(size, WINDOW))
-    late = np.concatenate([np.arange(WINDOW, min(size, EXACT)), np.arange(EXACT, size, every)])
     parts: list[tuple[np.ndarray, ...]] = []
     if len(early):  # short histories, every position: medians of prefixes, all at once
         head = x[:WINDOW]
@@ -184,9 +179,12 @@ def _held_stats(x: np.ndarray, f: Stat, least: int, every: int = REFRESH
             diffs = np.where(j < (early - m)[:, None],
                              head[hi] - head[np.minimum(j, len(head) - 1)], np.inf)
             parts.append((_medians(_prefixes(head, early), early), _medians(diffs, early - m) / m))
-    if len(late):  # full histories: each position, then each every-th
-        stat = f(np.lib.stride_tricks.sliding_window_view(x, WINDOW)[late - WINDOW])
-        parts.append(stat if isinstance(stat, tuple) else (stat,))
+    if size > WINDOW:  # full histories: each position, then each every-th (views, no copy)
+        wins = np.lib.stride_tricks.sliding_window_view(x[:-1], WINDOW)  # row r: before W + r
+        for win in (wins[:EXACT - WINDOW], wins[EXACT - WINDOW::every]):
+            if len(win):
+                stat = f(win)
+                parts.append(stat if isinstance(stat, tuple) else (stat,))
     k = 2 if f is _baselines else 1
     got = tuple(np.concatenate([p[s] for p in parts]) if parts else np.zeros(0)
                 for s in range(k))
@@ -469,7 +467,7 @@ class _Histories:
     WINDOW``) and ``f`` of each, recomputed as :func:`_stats` computes it: before each value
     while fewer than ``EXACT`` precede it, then before every ``every``-th."""
 
-    def __init__(self, rows: int, f: Stat, every: int = REFRESH) -> None:
+    def __init__(self, rows: int, f: Stat, every: int = 1) -> None:
         self.f, self.every = f, every
         self.ring = np.full((rows, WINDOW), np.nan)
         self.count = np.zeros(rows, dtype=np.int64)  # values so far
