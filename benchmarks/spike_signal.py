@@ -28,6 +28,7 @@ Each run has a Monitor storing ``norm`` (its default) and a ``gt.detect(spike=Tr
 
     python benchmarks/spike_signal.py                # the full measurement (a few minutes)
     python benchmarks/spike_signal.py --quick        # seconds, to check it works
+    python benchmarks/spike_signal.py --cost 300x5000  # the detector's CPU time alone
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch import Tensor, nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gradtap as gt  # noqa: E402
 from _harness import machine, markdown_table  # noqa: E402
-from gradtap._tensorops.spikes import THRESHOLD, WARMUP, scores  # noqa: E402
+from gradtap._tensorops.spikes import THRESHOLD, WARMUP, OnlineScores, scores  # noqa: E402
 from gradtap.demo_spike import VOCAB, TinyLM, grammar_tokens  # noqa: E402
 
 Batch = Callable[[int], tuple[Tensor, Tensor]]
@@ -209,13 +210,14 @@ def table_spikes(table: np.ndarray) -> list[tuple[int, int]]:
 def offline_recall(res: Result, trials: int, seed: int) -> tuple[int, int]:
     """Trials of a x10 norm at a random (step after the warm-up, tensor) of the healthy run's
     stored norms: ``(flagged there with first naming it, trials)``. The scores at step t are
-    those of the rows up to t; the last 200 are enough (every window full)."""
+    those of the rows up to t, from the first (the steps at which a history's statistics are
+    recomputed count from its first value)."""
     rng = np.random.default_rng(seed)
     steps, n = res.table.shape
     hits = 0
     for _ in range(trials):
         t, i = int(rng.integers(WARMUP, steps)), int(rng.integers(n))
-        rows = res.table[max(0, t - 200):t + 1].copy()
+        rows = res.table[:t + 1].copy()
         rows[-1, i] *= 10.0
         z = scores(rows)[-1]
         flagged = [k for k in reversed(range(n)) if z[k] > THRESHOLD]  # backward order
@@ -232,6 +234,26 @@ def online_recall(res: Result, modules: dict[str, str]) -> tuple[int, int]:
     return hits, len(res.injected)
 
 
+def cost(tensors: int, steps: int) -> list[str]:
+    """The detector's CPU time on a table of ``steps`` x ``tensors`` log-normal norms (a falling
+    trend, a level per tensor, every norm valid): ``scores()`` of the whole table, and
+    ``OnlineScores`` step by step (``score`` then ``push``, as ``detect`` calls them)."""
+    rng = np.random.default_rng(0)
+    table = np.exp(rng.normal(0, 0.1, (steps, tensors)) - np.arange(steps)[:, None] / steps
+                   + rng.normal(0, 1, tensors))
+    t0 = time.process_time()
+    scores(table)
+    offline = time.process_time() - t0
+    online = OnlineScores(tensors)
+    t0 = time.process_time()
+    for row in table:
+        online.score(row)
+        online.push(row)
+    per_step = (time.process_time() - t0) / steps
+    return [str(tensors), str(steps), f"{offline:.2f}", f"{1e6 * offline / (steps * tensors):.2f}",
+            f"{1e3 * per_step:.2f}", f"{1e6 * per_step / tensors:.2f}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
@@ -240,7 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="100 steps, 50 trials")
+    ap.add_argument("--cost", default=None, metavar="TENSORSxSTEPS",
+                    help="time the detector alone on a synthetic table of that size")
     args = ap.parse_args(argv)
+    if args.cost:
+        tensors, steps = (int(v) for v in args.cost.split("x"))
+        print(f"# spike detector cost: {machine()}\n")
+        print(markdown_table(["tensors", "steps", "scores() CPU s", "µs per (step, tensor)",
+                              "OnlineScores ms per step", "µs per tensor"],
+                             [cost(tensors, steps)]))
+        return 0
     if args.quick:
         args.steps, args.trials = 100, 50
     torch.set_num_threads(1)

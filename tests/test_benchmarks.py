@@ -238,6 +238,8 @@ def test_spike_signal_quick(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "| regression | 6 | 100 |" in out and "x10 recall, detect (online)" in out
+    assert importlib.import_module("spike_signal").main(["--cost", "20x300"]) == 0
+    assert "| 20 | 300 |" in capsys.readouterr().out
 
 
 def test_privacy_quick(capsys):

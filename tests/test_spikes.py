@@ -20,6 +20,7 @@ from gradtap._tensorops.spikes import (
     MIN_COMMON,
     NEIGHBOURS,
     PAIR_GATE,
+    PAIR_REFRESH,
     SCALE_FLOOR,
     THRESHOLD,
     WARMUP,
@@ -34,8 +35,24 @@ def _spread(values: list[float]) -> float:
     return 1.4826 * statistics.median(abs(v) for v in values)
 
 
-def _robust(values: list[float]) -> float:
-    return max(SCALE_FLOOR, _spread(values))
+def _held(c: int, every: int = 1) -> int:
+    """How many of a history's values its statistics are taken from, when ``c`` precede the
+    value: all while fewer than ``2 * WINDOW``, else those up to the last multiple of
+    ``every``."""
+    return c if c < 2 * WINDOW else c - c % every
+
+
+def _baseline(h: list[float]) -> float:
+    """The baseline of the value after the history ``h`` (>= 2 values)."""
+    r = _held(len(h))
+    w = h[:r][-WINDOW:]
+    k, m = len(w), len(w) // 2
+    slope = statistics.median(w[m + j] - w[j] for j in range(k - m)) / m
+    return statistics.median(w) + slope * ((k + 1) / 2 + (len(h) - r))
+
+
+def _held_spread(h: list[float], every: int = 1) -> float:
+    return _spread(h[:_held(len(h), every)][-WINDOW:])
 
 
 def _reference(table: list[list[float]], warmup: int) -> list[list[float]]:
@@ -50,22 +67,19 @@ def _reference(table: list[list[float]], warmup: int) -> list[list[float]]:
     for row in table:
         dev = [math.nan] * n
         for i, v in enumerate(row):
-            h = xs[i][-WINDOW:]
-            if math.isfinite(v) and v > 0 and len(h) >= 2:
-                k, m = len(h), len(h) // 2
-                slope = statistics.median(h[m + j] - h[j] for j in range(k - m)) / m
-                dev[i] = math.log(v) - (statistics.median(h) + slope * (k + 1) / 2)
+            if math.isfinite(v) and v > 0 and len(xs[i]) >= 2:
+                dev[i] = math.log(v) - _baseline(xs[i])
         have = [d for d in dev if not math.isnan(d)]
         common = statistics.median(have) if len(have) >= MIN_COMMON else 0.0
         c_score = -math.inf
         if len(have) >= MIN_COMMON and len(commons) >= max(warmup, 3):
-            c_score = common / _robust(commons[-WINDOW:])
+            c_score = common / max(SCALE_FLOOR, _held_spread(commons))
         scored = []
         for i in range(n):
             if math.isnan(dev[i]) or len(xs[i]) < max(warmup, 3):
                 scored.append(math.nan)
                 continue
-            s = _robust(owns[i][-WINDOW:])
+            s = max(SCALE_FLOOR, _held_spread(owns[i]))
             own = dev[i] - common
             score = max(own / s, min(c_score, dev[i] / s))
             # the partner: the neighbour whose difference has the least spread so far
@@ -73,9 +87,9 @@ def _reference(table: list[list[float]], warmup: int) -> list[list[float]]:
             for j in sorted(range(n), key=lambda j: (abs(i - j), j)):
                 if j == i or abs(i - j) > NEIGHBOURS or math.isnan(dev[j]):
                     continue
-                h = pairs.get((min(i, j), max(i, j)), [])[-WINDOW:]
+                h = pairs.get((min(i, j), max(i, j)), [])
                 if len(h) >= max(max(warmup, 3) // 2, 1):
-                    p = _spread(h)
+                    p = _held_spread(h, PAIR_REFRESH)
                     if partner is None or p < partner[1]:
                         partner = (j, p)
             if partner is not None and own / s > PAIR_GATE:
@@ -103,10 +117,12 @@ _norm = st.one_of(
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), n=st.integers(1, 12), steps=st.integers(0, 2 * WINDOW + 10),
-       warmup=st.integers(3, WINDOW + 5))
-def test_scores_equal_the_loop_over_steps_and_the_online_scores(data, n, steps, warmup):
-    table = data.draw(st.lists(st.lists(_norm, min_size=n, max_size=n), min_size=steps,
+@given(data=st.data(), n=st.integers(1, 12), steps=st.integers(0, 3 * WINDOW),
+       warmup=st.integers(3, WINDOW + 5), every=st.booleans())
+def test_scores_equal_the_loop_over_steps_and_the_online_scores(data, n, steps, warmup, every):
+    # every: a valid norm of every tensor at every step (the table's usual shape)
+    norm = st.floats(1e-3, 1e3) if every else _norm
+    table = data.draw(st.lists(st.lists(norm, min_size=n, max_size=n), min_size=steps,
                                max_size=steps))
     values = np.array(table, dtype=np.float64).reshape(steps, n)
     want = np.array(_reference(table, warmup), dtype=np.float64).reshape(steps, n)

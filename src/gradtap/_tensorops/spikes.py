@@ -18,10 +18,14 @@ For tensor ``i`` let ``x`` be the log of its finite, positive gradient norms in 
   one this step);
 * pairs: for each neighbour ``j`` of ``i`` (``0 < |i - j| <= NEIGHBOURS`` in the tensors'
   order), ``d = dev_i - dev_j`` at the steps where both have a deviation, and its spread
-  ``p = 1.4826 * median(|d|)`` over the pair's up to ``WINDOW`` previous values (at least
-  ``warmup // 2`` of them); the partner is the neighbour of least ``p`` (nearest first,
-  lower first among equals) and ``q = d / max(SCALE_FLOOR, p)``: a jump the tensors that
-  usually move with it did not share;
+  ``p = 1.4826 * median(|d|)`` over the up to ``WINDOW`` values of ``d`` before its ``r``-th,
+  where the pair has ``u >= warmup // 2`` values before this one and ``r = u`` while
+  ``u < EXACT``, else ``r = u - u % PAIR_REFRESH`` (a pair's spread is recomputed at each
+  value for its first ``EXACT``, then held for ``PAIR_REFRESH`` values: eight pairs a tensor
+  make it most of the detector's cost, and a spread is a slow, steady quantity); the partner
+  is the neighbour of least ``p`` (nearest first, lower first among equals) and
+  ``q = d / max(SCALE_FLOOR, p)``: a jump the tensors that usually move with it did not
+  share;
 * ``score = max(own / s, min(c_score, dev / s), q if own / s > PAIR_GATE)``: the tensor's
   own jump, the whole step's jump where this tensor took part in it, or its jump against
   its partner where it also rose against the step.
@@ -32,6 +36,9 @@ rank per value, so one spike neither masks the next nor moves the baseline.
 
 :func:`scores` scores a table of norms (vectorised over steps); :class:`OnlineScores` scores
 many tensors one step at a time (vectorised over tensors) with exactly the same numbers.
+Medians are those of sorted rows (several times quicker than ``np.median`` on rows of 64);
+where every tensor has a norm at every step, each tensor's partner is chosen once per change
+of the pairs' spreads.
 
 Example:
     >>> import numpy as np
@@ -44,16 +51,25 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["MIN_COMMON", "NEIGHBOURS", "PAIR_GATE", "SCALE_FLOOR", "THRESHOLD", "WARMUP",
-           "WINDOW", "OnlineScores", "check_spike_args", "scores", "series_scores"]
+__all__ = ["EXACT", "MIN_COMMON", "NEIGHBOURS", "PAIR_GATE", "PAIR_REFRESH", "SCALE_FLOOR",
+           "THRESHOLD", "WARMUP", "WINDOW", "OnlineScores", "check_spike_args",
+           "scores", "series_scores"]
 
 #: Values of history the baseline and the scale are taken over.
 WINDOW = 64
+#: Values of a pair's history before its spread is recomputed only before every
+#: ``PAIR_REFRESH``-th value, not before each one (a tensor's baseline and scale are
+#: recomputed before each value): the first steps of training move fastest.
+EXACT = 2 * WINDOW
+#: Values between two recomputations of a pair's spread after ``EXACT`` (a divisor of
+#: ``EXACT``); in between it holds.
+PAIR_REFRESH = 32
 #: Default values of a tensor's history before its norms are scored.
 WARMUP = 20
 #: Default score above which a norm is a spike.
@@ -72,6 +88,9 @@ NEIGHBOURS = 8
 #: The least own score (``own / s``) at which the jump against the partner counts: a
 #: partner's dip alone is not a spike of the tensor.
 PAIR_GATE = 2.0
+
+#: :func:`_baselines` or :func:`_spreads`: statistics of histories, one per row.
+Stat = Callable[[np.ndarray], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 
 
 def check_spike_args(threshold: float, warmup: int, what: str = "spikes()") -> None:
@@ -93,23 +112,38 @@ def _log_valid(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.log(values[ok]), np.flatnonzero(ok)
 
 
-def _baselines(win: np.ndarray) -> np.ndarray:
-    """The trend-following baseline of each row of ``win`` ([rows, n], n >= 2): a history in
-    step order."""
+def _held(t: np.ndarray, every: int = 1) -> np.ndarray:
+    """The position whose history gives the statistics at each position ``t`` of a series:
+    ``t`` itself while fewer than ``EXACT`` values precede it, else the last multiple of
+    ``every``."""
+    return np.where(t < EXACT, t, t - t % every)
+
+
+def _carry(center: np.ndarray, slope: np.ndarray, n: np.ndarray, age: np.ndarray) -> np.ndarray:
+    """The baseline ``age`` values after the end of a history of ``n`` values with that median
+    and slope."""
+    return center + slope * ((n + 1) / 2 + age)
+
+
+def _baselines(win: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(median, slope)`` of each row of ``win`` ([rows, n], n >= 2): a history in step
+    order."""
     n = win.shape[1]
     m = n // 2
-    slope = np.median(win[:, m:] - win[:, :n - m], axis=1) / m
-    return np.median(win, axis=1) + slope * ((n + 1) / 2)
+    return _middle(win), _middle(win[:, m:] - win[:, :n - m]) / m
 
 
 def _spreads(win: np.ndarray) -> np.ndarray:
     """The robust spread of each row of ``win`` ([rows, n], n >= 1): deviations from 0."""
-    return 1.4826 * np.median(np.abs(win), axis=1)
+    return 1.4826 * _middle(np.abs(win))
 
 
-def _scales(win: np.ndarray) -> np.ndarray:
-    """:func:`_spreads`, at least :data:`SCALE_FLOOR`."""
-    return np.maximum(SCALE_FLOOR, _spreads(win))
+def _middle(win: np.ndarray) -> np.ndarray:
+    """The median of each row of ``win`` (the mean of its middle one or two values, as
+    ``np.median`` computes it; a sort of rows of 64 is several times quicker)."""
+    n = win.shape[1]
+    rows = np.sort(win, axis=1)
+    return (rows[:, (n - 1) // 2] + rows[:, n // 2]) / 2
 
 
 def _combine(own: np.ndarray, s: np.ndarray, dev: np.ndarray, c_score: np.ndarray | float,
@@ -126,33 +160,55 @@ def _offsets() -> np.ndarray:
     return np.array([o for k in range(1, NEIGHBOURS + 1) for o in (-k, k)], dtype=np.int64)
 
 
-def _trailing(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray], least: int) -> np.ndarray:
-    """``f`` of the up to ``WINDOW`` values of ``x`` before each position (NaN where fewer
-    than ``least``)."""
-    out = np.full(len(x), np.nan)
-    ts = np.arange(least, len(x))
-    full = ts[ts >= WINDOW]
-    if len(full):
-        out[full] = f(np.lib.stride_tricks.sliding_window_view(x, WINDOW)[full - WINDOW])
-    early = ts[ts < WINDOW]
-    if not len(early):
-        return out
-    head = x[:WINDOW]
-    if f is _spreads or f is _scales:  # the first values at once: medians of prefixes
-        spread = 1.4826 * _medians(_prefixes(np.abs(head), early), early)
-        out[early] = spread if f is _spreads else np.maximum(SCALE_FLOOR, spread)
-    elif f is _baselines:
-        m = early // 2
-        j = np.arange(WINDOW)[None, :]
-        hi = np.minimum(m[:, None] + j, len(head) - 1)
-        diffs = np.where(j < (early - m)[:, None], head[hi] - head[np.minimum(j, len(head) - 1)],
-                         np.inf)
-        slope = _medians(diffs, early - m) / m
-        out[early] = _medians(_prefixes(head, early), early) + slope * ((early + 1) / 2)
-    else:
-        for t in early.tolist():
-            out[t] = f(x[None, :t])[0]
-    return out
+def _stats(x: np.ndarray, f: Stat, least: int, every: int = 1) -> tuple[np.ndarray, ...]:
+    """``f`` (:func:`_baselines` or :func:`_spreads`) at each position ``t`` of ``x``: of the
+    up to ``WINDOW`` values before ``_held(t, every)`` (NaN where ``t < least``)."""
+    got, index = _held_stats(x, f, least, every)
+    return tuple(np.append(g, np.nan)[index] for g in got)  # index -1: the NaN
+
+
+def _held_stats(x: np.ndarray, f: Stat, least: int, every: int = 1
+                ) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """``f`` at the positions ``_held`` names (each from ``least`` to ``EXACT``, then every
+    ``every``-th), and for each position of ``x`` the index of its own among them (-1 where
+    ``t < least``)."""
+    size = len(x)
+    early = np.arange(least, min(size, WINDOW))
+    parts: list[tuple[np.ndarray, ...]] = []
+    if len(early):  # short histories, every position: medians of prefixes, all at once
+        head = x[:WINDOW]
+        if f is _spreads:
+            parts.append((1.4826 * _medians(_prefixes(np.abs(head), early), early),))
+        else:
+            m = early // 2
+            j = np.arange(WINDOW)[None, :]
+            hi = np.minimum(m[:, None] + j, len(head) - 1)
+            diffs = np.where(j < (early - m)[:, None],
+                             head[hi] - head[np.minimum(j, len(head) - 1)], np.inf)
+            parts.append((_medians(_prefixes(head, early), early), _medians(diffs, early - m) / m))
+    if size > WINDOW:  # full histories: each position, then each every-th (views, no copy)
+        wins = np.lib.stride_tricks.sliding_window_view(x[:-1], WINDOW)  # row r: before W + r
+        for win in (wins[:EXACT - WINDOW], wins[EXACT - WINDOW::every]):
+            if len(win):
+                stat = f(win)
+                parts.append(stat if isinstance(stat, tuple) else (stat,))
+    k = 2 if f is _baselines else 1
+    got = tuple(np.concatenate([p[s] for p in parts]) if parts else np.zeros(0)
+                for s in range(k))
+    return got, _held_index(size, least, every)
+
+
+@functools.lru_cache(maxsize=8)
+def _held_index(size: int, least: int, every: int) -> np.ndarray:
+    """For each of ``size`` positions, the index of its statistics among those
+    :func:`_held_stats` computes (-1 where ``t < least``); read-only."""
+    t = np.arange(size)
+    early = max(0, min(size, WINDOW) - least)
+    index = np.where(t < WINDOW, t - least, np.where(
+        t < EXACT, early + t - WINDOW, early + EXACT - WINDOW + (t - EXACT) // every))
+    index[t < least] = -1
+    index.setflags(write=False)
+    return index
 
 
 def _prefixes(x: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -169,13 +225,20 @@ def _medians(rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _common(dev: np.ndarray) -> np.ndarray:
-    """The step's common deviation: the median over the tensors with one (rows of ``dev``,
-    NaN: none), 0 with fewer than :data:`MIN_COMMON`."""
-    counts = np.sum(~np.isnan(dev), axis=1)
-    out = np.zeros(len(dev))
-    many = counts >= MIN_COMMON
-    if many.any():
-        out[many] = np.nanmedian(dev[many], axis=1)
+    """Each step's common deviation: the median over the tensors with one (``dev``:
+    [tensors, steps], NaN: none), 0 where fewer than :data:`MIN_COMMON` have one."""
+    n, steps = dev.shape
+    out = np.zeros(steps)
+    for s0 in range(0, steps, 4096):
+        rows = dev[:, s0:s0 + 4096].T  # [steps, tensors]
+        have = ~np.isnan(rows)
+        counts = have.sum(axis=1)
+        full = np.flatnonzero(counts == n) if n >= MIN_COMMON else np.zeros(0, np.int64)
+        if len(full):
+            out[s0 + full] = np.median(rows[full], axis=1)
+        some = np.flatnonzero((counts >= MIN_COMMON) & (counts < n))
+        if len(some):
+            out[s0 + some] = _medians(np.where(have[some], rows[some], np.inf), counts[some])
     return out
 
 
@@ -188,49 +251,93 @@ def scores(values: np.ndarray, warmup: int = WARMUP) -> np.ndarray:
         raise ValueError(f"scores() needs norms [steps, tensors]; got shape {values.shape}")
     steps, n = values.shape
     warmup = max(int(warmup), 3)
-    dev = np.full((steps, n), np.nan)  # log-norm - its baseline, where it has one
-    count = np.zeros((steps, n), dtype=np.int64)  # valid values before each step
-    valid = [np.flatnonzero(np.isfinite(values[:, i]) & (values[:, i] > 0)) for i in range(n)]
-    for i, at in enumerate(valid):
-        x = np.log(values[at, i])
-        dev[at, i] = x - _trailing(x, _baselines, 2)
-        count[at, i] = np.arange(len(at))
+    dev = np.full((n, steps), np.nan)  # log-norm - its baseline, where it has one
+    valid = []
+    for i in range(n):
+        x, at = _log_valid(values[:, i])
+        center, slope = _stats(x, _baselines, 2)
+        t = np.arange(len(x))
+        held = _held(t)
+        dev[i, at] = x - _carry(center, slope, np.minimum(held, WINDOW), t - held)
+        valid.append(at)
     common = _common(dev)
-    has_common = np.sum(~np.isnan(dev), axis=1) >= MIN_COMMON
     c_score = np.full(steps, -np.inf)  # the step's common score, -inf: none
-    c_at = np.flatnonzero(has_common)
-    c_score[c_at] = common[c_at] / _trailing(common[c_at], _scales, warmup)
+    c_at = np.flatnonzero(np.sum(~np.isnan(dev), axis=0) >= MIN_COMMON)
+    c_score[c_at] = common[c_at] / np.maximum(SCALE_FLOOR, _stats(common[c_at], _spreads,
+                                                                   warmup)[0])
     c_score[np.isnan(c_score)] = -np.inf
-    q = _pair_scores(dev, warmup)
-    out = np.full((steps, n), np.nan)
-    for i, at in enumerate(valid):
-        at = at[~np.isnan(dev[at, i])]  # the first value has no baseline
-        own = dev[at, i] - common[at]
-        scale = _trailing(own, _scales, 1)
-        sc = at[count[at, i] >= warmup]
-        keep = count[at, i] >= warmup
-        out[sc, i] = _combine(own[keep], scale[keep], dev[sc, i], c_score[sc], q[sc, i])
-    return out
-
-
-def _pair_scores(dev: np.ndarray, warmup: int) -> np.ndarray:
-    """Each deviation's jump against its partner (``q``; NaN: no partner), [steps, tensors]."""
-    steps, n = dev.shape
     least = max(warmup // 2, 1)
-    best = np.full((steps, n), np.inf)  # the partner's spread so far
-    q = np.full((steps, n), np.nan)
-    for k in range(1, NEIGHBOURS + 1):
-        # pair (a, a + k) is a + k's neighbour at -k and a's at +k; by ascending a, each
-        # tensor meets its lower neighbour before its upper one
-        for a in range(n - k):
-            d = dev[:, a] - dev[:, a + k]
-            at = np.flatnonzero(~np.isnan(d))
-            p = _trailing(d[at], _spreads, least)
-            for i, di in ((a + k, -d[at]), (a, d[at])):  # dev_i - dev_j from either side
-                better = p < best[at, i]  # False where NaN: too few values
-                t = at[better]
-                best[t, i] = p[better]
-                q[t, i] = di[better] / np.maximum(SCALE_FLOOR, p[better])
+    pairs: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # (a, k): pair (a, a + k)
+    out = np.full((n, steps), np.nan)
+    nan = np.isnan(dev)
+    # every tensor has a deviation at the same steps (the usual table): every pair's spreads
+    # change at the same steps, and each tensor's partner is chosen once per change
+    shared = np.flatnonzero(~nan[0]) if n and (nan == nan[0]).all() else None
+    for i in range(n):
+        for k in range(1, min(NEIGHBOURS, n - 1 - i) + 1):
+            if shared is None:
+                pairs[i, k] = _pair(dev[i], dev[i + k], least)
+            else:
+                pairs[i, k] = _held_stats(dev[i, shared] - dev[i + k, shared], _spreads,
+                                          least, PAIR_REFRESH)[0]
+        q = (_partner_scores(i, n, pairs, steps) if shared is None
+             else _shared_partner_scores(i, dev, shared, pairs, least))
+        for k in range(1, NEIGHBOURS + 1):
+            pairs.pop((i - k, k), None)  # both of its tensors are done
+        keep = ~np.isnan(dev[i, valid[i]])  # the first values have no baseline
+        at = valid[i][keep]
+        own = dev[i, at] - common[at]
+        scale = np.maximum(SCALE_FLOOR, _stats(own, _spreads, 1)[0])
+        sc = np.flatnonzero(keep) >= warmup  # valid values before each: its index in valid
+        t = at[sc]
+        out[i, t] = _combine(own[sc], scale[sc], dev[i, t], c_score[t], q[t])
+    return out.T
+
+
+def _pair(dev_a: np.ndarray, dev_b: np.ndarray, least: int) -> tuple[np.ndarray, ...]:
+    """``(steps, spreads, d)`` of a pair: the steps where both have a deviation, the spread
+    of ``d = dev_a - dev_b`` there (NaN: too few values), ``d`` itself."""
+    d = dev_a - dev_b
+    at = np.flatnonzero(~np.isnan(d))
+    d = d[at]
+    return at, _stats(d, _spreads, least, PAIR_REFRESH)[0], d
+
+
+def _partner_scores(i: int, n: int, pairs: dict[tuple[int, int], tuple[np.ndarray, ...]],
+                    steps: int) -> np.ndarray:
+    """Tensor ``i``'s jump against its partner at each step (``q``; NaN: no partner)."""
+    best = np.full(steps, np.inf)  # the partner's spread so far
+    q = np.full(steps, np.nan)
+    for off in _offsets().tolist():  # in the order of preference: only a lower spread wins
+        if not 0 <= i + off < n:
+            continue
+        at, p, d = pairs[min(i, i + off), abs(off)]
+        better = p < best[at]  # False where NaN: too few values
+        t = at[better]
+        best[t] = p[better]
+        q[t] = (d[better] if off > 0 else -d[better]) / np.maximum(SCALE_FLOOR, p[better])
+    return q
+
+
+def _shared_partner_scores(i: int, dev: np.ndarray, shared: np.ndarray,
+                           pairs: dict[tuple[int, int], tuple[np.ndarray, ...]],
+                           least: int) -> np.ndarray:
+    """:func:`_partner_scores` where every tensor has a deviation at the steps ``shared``
+    (``pairs``: each pair's spreads at the positions :func:`_held_stats` names)."""
+    n, steps = dev.shape
+    offs = [off for off in _offsets().tolist() if 0 <= i + off < n]
+    q = np.full(steps, np.nan)
+    held = np.stack([pairs[min(i, i + off), abs(off)][0] for off in offs]) if offs else None
+    if held is None or not held.shape[1]:  # no neighbour, or too few values yet
+        return q
+    held[np.isnan(held)] = np.inf  # too few values
+    pick = np.argmin(held, axis=0)  # the first least: nearest, lower first
+    best = np.append(held[pick, np.arange(held.shape[1])], np.inf)
+    index = _held_index(len(shared), least, PAIR_REFRESH)
+    spread = best[index]  # index -1: the inf
+    partner = i + np.asarray(offs)[pick][index]
+    d = dev[i, shared] - dev[partner, shared]
+    q[shared] = np.where(np.isfinite(spread), d / np.maximum(SCALE_FLOOR, spread), np.nan)
     return q
 
 
@@ -248,36 +355,27 @@ class OnlineScores:
 
     def __init__(self, n: int, warmup: int = WARMUP) -> None:
         self.warmup = max(int(warmup), 3)
-        self._x = np.full((n, WINDOW), np.nan)  # log-norms, right-aligned, oldest first
-        self._own = np.full((n, WINDOW), np.nan)  # own deviations (dev - common), likewise
-        self._c = np.full(WINDOW, np.nan)  # common deviations of the steps that had one
-        self._count = np.zeros(n, dtype=np.int64)
-        self._n_own = np.zeros(n, dtype=np.int64)
-        self._n_c = 0
+        self._x = _Histories(n, _baselines)  # log-norms
+        self._own = _Histories(n, _spreads)  # own deviations (dev - common)
+        self._c = _Histories(1, _spreads)  # common deviations of the steps that had one
+        # pair (a, a + k) at a * NEIGHBOURS + k - 1
+        self._d = _Histories(n * NEIGHBOURS, _spreads, PAIR_REFRESH)
         self._base = np.full(n, np.nan)  # each tensor's baseline for the next value
-        # pair (a, a + k): its deviations' differences, right-aligned, at [a, k - 1]
-        self._d = np.full((n, NEIGHBOURS, WINDOW), np.nan)
-        self._n_d = np.zeros((n, NEIGHBOURS), dtype=np.int64)
         self._spread = np.full((n, NEIGHBOURS), np.nan)  # each pair's spread (NaN: too few)
-        self._fresh = True
+        self._fresh = False
         self._pending: tuple[np.ndarray, ...] | None = None
         self._c_pending: float | None = None
 
     @property
     def count(self) -> np.ndarray:
         """Valid values in each tensor's history so far."""
-        return self._count
+        return self._x.count
 
     def grow(self, k: int) -> None:
         """Add ``k`` tensors with no history (after the last ones)."""
-        n = len(self._count)
-        self._x = np.concatenate([self._x, np.full((k, WINDOW), np.nan)])
-        self._own = np.concatenate([self._own, np.full((k, WINDOW), np.nan)])
-        self._count = np.concatenate([self._count, np.zeros(k, dtype=np.int64)])
-        self._n_own = np.concatenate([self._n_own, np.zeros(k, dtype=np.int64)])
-        self._base = np.concatenate([self._base[:n], np.full(k, np.nan)])
-        self._d = np.concatenate([self._d, np.full((k, NEIGHBOURS, WINDOW), np.nan)])
-        self._n_d = np.concatenate([self._n_d, np.zeros((k, NEIGHBOURS), dtype=np.int64)])
+        self._x.grow(k)
+        self._own.grow(k)
+        self._d.grow(k * NEIGHBOURS)
         self._pending = None
         self._fresh = False
 
@@ -295,18 +393,18 @@ class OnlineScores:
         x[ok] = np.log(values[ok])
         dev = x - self._base  # NaN where no value or no baseline
         have = ~np.isnan(dev)
-        common = float(_common(dev[None, :])[0])
+        common = float(_common(dev[:, None])[0])
         c = common if have.sum() >= MIN_COMMON else None
         own = dev - common
         out = np.full(len(values), np.nan)
-        scored = have & (self._count >= self.warmup)
+        scored = have & (self.count >= self.warmup)
         diffs = self._diffs(dev)
         if scored.any():
             c_score = -np.inf
-            if c is not None and self._n_c >= self.warmup:
-                c_score = c / _scales(self._c[None, WINDOW - min(self._n_c, WINDOW):])[0]
+            if c is not None and self._c.count[0] >= self.warmup:
+                c_score = c / np.maximum(SCALE_FLOOR, self._c.stats[0])[0]
             rows = np.flatnonzero(scored)
-            scale = self._own_scales(rows)
+            scale = np.maximum(SCALE_FLOOR, self._own.stats[0][rows])
             q = self._pair_scores(diffs)[rows]
             out[rows] = _combine(own[rows], scale, dev[rows], c_score, q)
         self._pending = (ok, x, np.where(have, own, np.nan), diffs)
@@ -351,55 +449,68 @@ class OnlineScores:
         ok, x, own, diffs = self._pending
         c = self._c_pending
         self._pending = None
-        _shift_in(self._x, ok, x)
-        has_own = ~np.isnan(own)
-        _shift_in(self._own, has_own, own)
-        self._n_own += has_own
-        has_d = ~np.isnan(diffs)
-        flat = self._d.reshape(-1, WINDOW)
-        _shift_in(flat, has_d.reshape(-1), diffs.reshape(-1))
-        self._n_d += has_d
+        self._x.push(ok, x)
+        self._own.push(~np.isnan(own), own)
+        self._d.push(~np.isnan(diffs).reshape(-1), diffs.reshape(-1))
         if c is not None:
-            self._c[:-1] = self._c[1:]
-            self._c[-1] = c
-            self._n_c += 1
-        self._count += ok
+            self._c.push(np.ones(1, dtype=bool), np.array([c]))
         self._fresh = False
-
-    def _own_scales(self, rows: np.ndarray) -> np.ndarray:
-        n_own = np.minimum(self._n_own[rows], WINDOW)
-        out = np.empty(len(rows))
-        # rows with histories of one length together (the same numbers, row by row)
-        for n in np.unique(n_own).tolist():
-            at = np.flatnonzero(n_own == n)
-            out[at] = _scales(self._own[rows[at], WINDOW - n:])
-        return out
 
     def _refresh(self) -> None:
         if self._fresh:
             return
         self._fresh = True
-        count = np.minimum(self._count, WINDOW)
-        self._base = np.full(len(self._count), np.nan)
-        # tensors with histories of one length together (the same numbers, row by row)
-        for n in np.unique(count[count >= 2]).tolist():
-            at = np.flatnonzero(count == n)
-            self._base[at] = _baselines(self._x[at, WINDOW - n:])
+        for h in (self._x, self._own, self._c, self._d):
+            h.refresh()
+        x = self._x
+        self._base = _carry(x.stats[0], x.stats[1], x.length, x.count - x.at)
         least = max(self.warmup // 2, 1)
-        self._spread = np.full(self._n_d.shape, np.nan)
-        flat, spread = self._d.reshape(-1, WINDOW), self._spread.reshape(-1)
-        n_d = np.minimum(self._n_d.reshape(-1), WINDOW)
-        for n in np.unique(n_d[n_d >= least]).tolist():
-            at = np.flatnonzero(n_d == n)
-            spread[at] = _spreads(flat[at, WINDOW - n:])
+        spread = np.where(self._d.count >= least, self._d.stats[0], np.nan)
+        self._spread = spread.reshape(-1, NEIGHBOURS)
 
 
-def _shift_in(ring: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
-    """Append ``values[rows]`` to the right-aligned histories ``ring[rows]``."""
-    if rows.all():
-        ring[:, :-1] = ring[:, 1:]
-        ring[:, -1] = values
-    elif rows.any():
+class _Histories:
+    """The last ``WINDOW`` values of many series (a ring per row, written at ``count %
+    WINDOW``) and ``f`` of each, recomputed as :func:`_stats` computes it: before each value
+    while fewer than ``EXACT`` precede it, then before every ``every``-th."""
+
+    def __init__(self, rows: int, f: Stat, every: int = 1) -> None:
+        self.f, self.every = f, every
+        self.ring = np.full((rows, WINDOW), np.nan)
+        self.count = np.zeros(rows, dtype=np.int64)  # values so far
+        self.stats = tuple(np.full(rows, np.nan) for _ in range(2 if f is _baselines else 1))
+        self.at = np.full(rows, -1, dtype=np.int64)  # the count they were computed at
+        self.length = np.zeros(rows, dtype=np.int64)  # the history they were computed of
+
+    def grow(self, k: int) -> None:
+        """Add ``k`` series with no values."""
+        self.ring = np.concatenate([self.ring, np.full((k, WINDOW), np.nan)])
+        self.count = np.concatenate([self.count, np.zeros(k, dtype=np.int64)])
+        self.stats = tuple(np.concatenate([s, np.full(k, np.nan)]) for s in self.stats)
+        self.at = np.concatenate([self.at, np.full(k, -1, dtype=np.int64)])
+        self.length = np.concatenate([self.length, np.zeros(k, dtype=np.int64)])
+
+    def push(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Append ``values[rows]`` to the series ``rows`` (a mask)."""
         at = np.flatnonzero(rows)
-        ring[at, :-1] = ring[at, 1:]
-        ring[at, -1] = values[at]
+        self.ring[at, self.count[at] % WINDOW] = values[at]
+        self.count[at] += 1
+
+    def refresh(self) -> None:
+        """Recompute the statistics due at the present counts."""
+        c = self.count
+        due = (c != self.at) & (c >= (2 if self.f is _baselines else 1)) & (
+            (c < EXACT) | (c % self.every == 0))
+        rows = np.flatnonzero(due)
+        if not len(rows):
+            return
+        length = np.minimum(c[rows], WINDOW)
+        # rows with histories of one length together (the same numbers, row by row)
+        for n in np.unique(length).tolist():
+            r = rows[length == n]
+            cols = (c[r, None] - n + np.arange(n)[None, :]) % WINDOW  # oldest first
+            got = self.f(self.ring[r[:, None], cols])
+            for s, g in zip(self.stats, got if isinstance(got, tuple) else (got,)):
+                s[r] = g
+        self.at[rows] = c[rows]
+        self.length[rows] = length
