@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from gradtap._privacy.accounting import Accountant, _check_accountant, calibrate_noise
 from gradtap._privacy.checks import check_noise, check_number, check_rate
 from gradtap._privacy.noise import gaussian_noise
+from gradtap._samples.clipped import Book
 from gradtap._samples.engine import PerSample
 from gradtap._samples.spec import LossReduction
 from gradtap.capture import HookSet
@@ -64,7 +65,11 @@ def clip_coefficients(sq_norms: Sequence[Tensor], max_grad_norm: float,
         c = (max_grad_norm / (total.sqrt() + CLIP_EPS)).clamp_(max=1.0)
         return [c.to(device=s.device, dtype=s.dtype) for s in sq_norms]
     bound = max_grad_norm / math.sqrt(len(sq_norms))
-    return [(bound / (s.sqrt() + CLIP_EPS)).clamp_(max=1.0) for s in sq_norms]
+    return [_clamped(bound, s) for s in sq_norms]
+
+
+def _clamped(bound: float, sq: Tensor) -> Tensor:
+    return (bound / (sq.sqrt() + CLIP_EPS)).clamp_(max=1.0)
 
 
 def _batchnorm_in_training(model: nn.Module) -> str | None:
@@ -154,10 +159,13 @@ class DPSGD:
             raise ValueError("dp_sgd: the model has no trainable parameter")
         _check_optimizer(model, optimizer, params)
         self.optimizer = optimizer
-        # own_grad: autograd skips the batch weight gradients the private step replaces.
+        # own_grad: autograd skips the batch weight gradients the private step replaces; the
+        # book: the clipped sums from closed forms, per layer already in backward.
+        bound = self.max_grad_norm / math.sqrt(len(params))
+        book = Book(None if clipping == "flat" else lambda _q, sq: _clamped(bound, sq))
         try:
             self._ps = PerSample(model, "*", loss_reduction=loss_reduction,
-                                 quantities=("grad",), own_grad=True)
+                                 quantities=("grad",), own_grad=True, book=book)
         except ValueError as err:
             if "another open" not in str(err):
                 raise
@@ -200,11 +208,11 @@ class DPSGD:
         params = list(self._params.values())
         n = self._ps.batch_size
         if n:
-            per = self._ps.grad
-            grads = [per[name] for name in self._params]
-            sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
-            coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
-            sums = [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
+            clipped = self._ps.clipped
+            sq = clipped.norm_sq()
+            coefs = clip_coefficients(list(sq.values()), self.max_grad_norm, self.clipping)
+            weighted = clipped.weighted(dict(zip(sq, coefs, strict=True)))
+            sums = [weighted[name] for name in self._params]
         else:  # an empty batch, or no backward: a step of noise only
             sums = [torch.zeros_like(p) for p in params]
         if self.noise_multiplier > 0:
