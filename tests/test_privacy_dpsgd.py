@@ -86,6 +86,12 @@ def _cnn() -> nn.Module:
                          nn.Linear(4 * 3 * 3, 3))
 
 
+def _conv_gram() -> nn.Module:
+    """Its second convolution's norms take the Gram form (one output position)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Flatten(),
+                         nn.Linear(4, 3))
+
+
 def _rms() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.RMSNorm(5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -95,6 +101,7 @@ MODELS = {
     "cnn_groupnorm": (_cnn, lambda b: torch.randn(b, 2, 5, 5)),
     "embedding_layernorm_mha": (Attention, lambda b: torch.randint(0, 11, (b, 4))),
     "rmsnorm": (_rms, lambda b: torch.randn(b, 6)),
+    "conv_gram": (_conv_gram, lambda b: torch.randn(b, 3, 5, 5)),
     "lora": (LoRA, lambda b: torch.randn(b, 6)),
     "sequence_linear": (Sequence, lambda b: torch.randn(b, 2, 12)),
     "tied_embedding": (Tied, lambda b: torch.randint(0, 11, (b, 4))),

@@ -70,7 +70,7 @@ class Step:
             return
         spec = self._spec
         scale = spec.scale(n)
-        booked = spec.book is not None and not spec.summed(owner, names)
+        booked = spec.book is not None and spec.book.takes(spec.summed(owner, names))
         materialize = spec.materialize(owner, names) and not booked
         try:
             with torch.no_grad():

@@ -11,9 +11,11 @@ the record held anyway) and its squared norms ``[N]``: ``[N, *shape]`` is never 
 With ``per_param`` (a function of one parameter's squared norms to its coefficients: the
 per-layer clipping of DP-SGD) the sum is formed as soon as the call's record comes in, and
 the compute is dropped at once; otherwise (flat clipping: every norm first) the computes are
-kept until :meth:`Clipped.weighted`. A parameter used by several calls, or given per-sample
-gradients by a replay, is not booked: it is materialized as before (norms of a sum do not
-add up), and :class:`Clipped` reduces it from ``[N, *shape]``.
+kept until :meth:`Clipped.weighted`. A parameter used by several calls (a module called
+twice, a tied table, a second backward before the step) is materialized from its computes
+(norms of a sum do not add up), and :class:`Clipped` reduces it from ``[N, *shape]``, as it
+does a parameter given per-sample gradients without a closed form (the ``torch.func``
+fallback, a replay, which the book then forgets).
 """
 
 from __future__ import annotations
@@ -43,22 +45,37 @@ class Book:
         self.computes: dict[str, tuple[str, Compute]] = {}  # qual -> (relative name, compute)
         self.norm_sq: dict[str, Tensor] = {}
         self.sums: dict[str, Tensor] = {}  # formed already (per_param)
+        # a second backward before the step (the same samples): summed per sample
+        self.grads: dict[str, Tensor] = {}
+
+    def takes(self, summed: bool) -> bool:
+        """Whether a call goes to the book: always for flat clipping (a repeat is materialized
+        here); with ``per_param`` only a parameter's first use (its sum is formed at once)."""
+        return self.per_param is None or not summed
 
     def __contains__(self, qual: str) -> bool:
         return qual in self.norm_sq
 
     def add(self, names: dict[str, str], compute: Compute) -> None:
-        """One owned call's closed form for ``names`` (relative -> qualified name).
+        """One owned call's closed form for ``names`` (relative -> qualified name). A
+        parameter booked already since the last clear (a second backward before the step)
+        gets per-sample gradients: the norm of a sum needs them.
 
         Raises:
-            GradtapError: a parameter booked already since the last clear (a second
-                backward before the step): its clipping needs the norm of the sum.
+            GradtapError: that second backward under ``per_param``, whose first sum was
+                formed and its per-sample parts dropped.
         """
-        again = [q for q in names.values() if q in self.norm_sq]
+        again = {rel: q for rel, q in names.items() if q in self.norm_sq or q in self.grads}
         if again:
-            raise GradtapError(
-                f"per_sample: {', '.join(again)} got a second backward before the clipped sum "
-                "of the first was read; clear between batches (one backward per step)")
+            if self.per_param is not None:
+                raise GradtapError(
+                    f"per_sample: {', '.join(again.values())} got a second backward before "
+                    "the step, but their clipped sums were formed in the first (per-layer "
+                    "clipping): one backward per step")
+            self._materialize(again, compute)
+            names = {rel: q for rel, q in names.items() if rel not in again}
+            if not names:
+                return
         norms = compute.norm_sq()
         for rel, q in names.items():
             self.norm_sq[q] = norms[rel]
@@ -70,9 +87,19 @@ class Book:
         for rel, s in compute.weighted_total(coefs).items():
             self.sums[names[rel]] = s
 
+    def _materialize(self, names: dict[str, str], compute: Compute) -> None:
+        new = compute.grads()
+        for rel, q in names.items():
+            g = new[rel]
+            if q in self.computes:
+                first_rel, first = self.computes.pop(q)
+                g = g + first.grads()[first_rel]
+                del self.norm_sq[q]
+            self.grads[q] = g if q not in self.grads else self.grads[q] + g
+
     def drop(self, qual: str) -> None:
         """Forget ``qual`` (a replay gave it per-sample gradients instead)."""
-        for kept in (self.computes, self.norm_sq, self.sums):
+        for kept in (self.computes, self.norm_sq, self.sums, self.grads):
             kept.pop(qual, None)
 
 
@@ -82,13 +109,24 @@ class Clipped:
 
     def __init__(self, book: Book, grads: dict[str, Tensor],
                  params: dict[str, nn.Parameter], n: int) -> None:
-        self._book, self._grads, self._params, self._n = book, grads, params, n
-        for q in grads:
-            book.drop(q)
+        self._book, self._params, self._n = book, params, n
+        self._grads = dict(book.grads)
+        for q, g in grads.items():  # a use without a closed form: all per-sample then
+            if q in book.sums:
+                raise GradtapError(
+                    f"per_sample: {q} was used again after its clipped sum was formed "
+                    "(per-layer clipping: a second backward before the step?); one backward "
+                    "per step")
+            if q in book.computes:
+                rel, compute = book.computes.pop(q)
+                del book.norm_sq[q]
+                g = g + compute.grads()[rel]
+            self._grads[q] = g if q not in self._grads else self._grads[q] + g
 
     @property
     def booked(self) -> set[str]:
         """The parameters whose sum comes from a closed form (no ``[N, *shape]``)."""
+        # (norm_sq holds exactly those: a materialized one leaves it)
         return set(self._book.norm_sq)
 
     def norm_sq(self) -> dict[str, Tensor]:
@@ -109,13 +147,17 @@ class Clipped:
         ``per_param`` were summed in backward and need none)."""
         coefs = coefs or {}
         book = self._book
+        calls: dict[int, tuple[Compute, dict[str, str]]] = {}  # one pass per call
+        for q, (rel, compute) in book.computes.items():
+            calls.setdefault(id(compute), (compute, {}))[1][rel] = q
+        booked: dict[str, Tensor] = dict(book.sums)
+        for compute, names in calls.values():
+            for rel, s in compute.weighted_total({r: coefs[q] for r, q in names.items()}).items():
+                booked[names[rel]] = s
         out: dict[str, Tensor] = {}
         for q, p in self._params.items():
-            if q in book.sums:
-                out[q] = book.sums[q]
-            elif q in book.computes:
-                rel, compute = book.computes[q]
-                out[q] = compute.weighted_total({rel: coefs[q]})[rel]
+            if q in booked:
+                out[q] = booked[q]
             elif q in self._grads:
                 g = self._grads[q]
                 out[q] = torch.tensordot(coefs[q].to(g.dtype), g, dims=1)

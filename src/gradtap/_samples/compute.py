@@ -105,7 +105,11 @@ class RuleCompute(Compute):
 
     @property
     def closed_form(self) -> bool:
-        return not self.owner.parametrized
+        """No parametrization, and norms without per-sample gradients (``norm_builds``):
+        where the norms build them anyway, building them once is cheaper."""
+        builds = self.rule.norm_builds
+        return not self.owner.parametrized and not (
+            builds is not None and builds(self.owner.module, self.inp, self.go))
 
     def sketch(self, names: frozenset[str], r: Tensor) -> dict[str, Tensor]:
         """``total() @ r`` for the names the rule's ``total_sketch`` covers."""

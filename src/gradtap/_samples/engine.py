@@ -312,6 +312,8 @@ class PerSample:
                 bad = {q: why for q, why in suspects.items() if q in step.increments}
                 for q in suspects:
                     step.discard(q)
+                    if self._book is not None:  # the replay gives it
+                        self._book.drop(q)
                 if bad:
                     with self._computing():
                         self._replays.run(bad, n, step, self._totals, self._calls.uses)

@@ -294,7 +294,7 @@ class OwnGrad:
             return
         spec = self._spec
         scale, c = spec.scale(n), spec.share(n)
-        booked = spec.book is not None and not spec.summed(owner, names)
+        booked = spec.book is not None and spec.book.takes(spec.summed(owner, names))
         materialize = spec.materialize(owner, names) and not booked
         try:
             with torch.no_grad():
