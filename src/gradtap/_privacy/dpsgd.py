@@ -1,8 +1,11 @@
 """``gt.dp_sgd``: DP-SGD on the per-sample engine (:mod:`gradtap._samples`).
 
 :class:`DPSGD` follows a model's backward with one :class:`~gradtap._samples.engine.PerSample`
-over its trainable parameters (per-sample gradients ``[B, *shape]`` of each, from the layer
-rules, or a ``torch.func`` replay where no rule applies) and, right before each
+over its trainable parameters, with a book (:mod:`gradtap._samples.clipped`): each
+parameter's squared per-sample norms and its clipped sum ``sum_i c_i g_i`` from closed forms
+where its layer has one (no ``[B, *shape]``; with ``clipping="per_layer"`` formed in the
+backward), from per-sample gradients elsewhere (the layer rules, or a ``torch.func`` replay
+where no rule applies); right before each
 ``optimizer.step()`` (a :class:`~gradtap.capture.HookSet` optimizer pre-hook), replaces every
 trainable parameter's ``.grad`` with the private gradient::
 
