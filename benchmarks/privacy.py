@@ -11,7 +11,9 @@ make_private`` with ``grad_sample_mode="hooks"`` (per-sample gradients from its 
 second). Time: median seconds per step over interleaved rounds (``_harness.interleaved``);
 "x plain" is the median over rounds of the variant's time over the plain step's in the same
 round. Peak memory: ``_harness.peak_memory_mib`` of three steps in a fresh subprocess per
-variant (without ``--quick``), over the resident size before the model was built. Models:
+variant (without ``--quick``), over the resident size before the model was built, with
+``dp_accounting`` and ``opacus`` imported before it (what libraries keep resident is nobody's
+step). Models:
 the per-sample benchmark's transformer encoder (``_models.transformer``: Embedding, 2
 ``TransformerEncoderLayer``, d=128, 64 tokens; Opacus gets its ``DPMultiheadAttention``
 through ``ModuleValidator.fix``) at batch 32; a causal transformer LM (:class:`CausalLM`:
@@ -218,6 +220,11 @@ def _builders(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Te
 
 def _memory(label: str, variant: str, quick: bool) -> float | None:
     build = _builders(quick)[label]
+    # Every variant's libraries are imported before the baseline, so that what they (and the
+    # torch modules they load) keep resident is no variant's peak.
+    for module in ("dp_accounting", "opacus"):
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
 
     def make() -> Step:
         step = VARIANTS[variant](*build())
