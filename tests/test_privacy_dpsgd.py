@@ -64,6 +64,19 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.emb(tokens)).mean(1))
 
 
+class Sequence(nn.Module):
+    """Linear layers on ``[B, T, d]`` inputs, averaged over the tokens (few tokens: the
+    norms take the Gram form, ``T (I + O) < O I``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(12, 10)
+        self.outer = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x))).mean(1)
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -71,6 +84,12 @@ def _mlp() -> nn.Module:
 def _cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
                          nn.Linear(4 * 3 * 3, 3))
+
+
+def _conv_gram() -> nn.Module:
+    """Its second convolution's norms take the Gram form (one output position)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Flatten(),
+                         nn.Linear(4, 3))
 
 
 def _rms() -> nn.Module:
@@ -82,7 +101,9 @@ MODELS = {
     "cnn_groupnorm": (_cnn, lambda b: torch.randn(b, 2, 5, 5)),
     "embedding_layernorm_mha": (Attention, lambda b: torch.randint(0, 11, (b, 4))),
     "rmsnorm": (_rms, lambda b: torch.randn(b, 6)),
+    "conv_gram": (_conv_gram, lambda b: torch.randn(b, 3, 5, 5)),
     "lora": (LoRA, lambda b: torch.randn(b, 6)),
+    "sequence_linear": (Sequence, lambda b: torch.randn(b, 2, 12)),
     "tied_embedding": (Tied, lambda b: torch.randint(0, 11, (b, 4))),
 }
 

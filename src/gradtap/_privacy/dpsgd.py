@@ -1,8 +1,11 @@
 """``gt.dp_sgd``: DP-SGD on the per-sample engine (:mod:`gradtap._samples`).
 
 :class:`DPSGD` follows a model's backward with one :class:`~gradtap._samples.engine.PerSample`
-over its trainable parameters (per-sample gradients ``[B, *shape]`` of each, from the layer
-rules, or a ``torch.func`` replay where no rule applies) and, right before each
+over its trainable parameters, with a book (:mod:`gradtap._samples.clipped`): each
+parameter's squared per-sample norms and its clipped sum ``sum_i c_i g_i`` from closed forms
+where its layer has one (no ``[B, *shape]``; with ``clipping="per_layer"`` formed in the
+backward), from per-sample gradients elsewhere (the layer rules, or a ``torch.func`` replay
+where no rule applies); right before each
 ``optimizer.step()`` (a :class:`~gradtap.capture.HookSet` optimizer pre-hook), replaces every
 trainable parameter's ``.grad`` with the private gradient::
 
@@ -30,6 +33,7 @@ from gradtap._privacy.amp import LossScale
 from gradtap._privacy.checks import check_noise, check_number, check_rate
 from gradtap._privacy.distributed import Ranks
 from gradtap._privacy.noise import gaussian_noise
+from gradtap._samples.clipped import Book
 from gradtap._samples.engine import PerSample
 from gradtap._samples.spec import LossReduction
 from gradtap.capture import HookSet, session
@@ -70,7 +74,11 @@ def clip_coefficients(sq_norms: Sequence[Tensor], max_grad_norm: float,
         c = (max_grad_norm / (total.sqrt() + CLIP_EPS)).clamp_(max=1.0)
         return [c.to(device=s.device, dtype=s.dtype) for s in sq_norms]
     bound = max_grad_norm / math.sqrt(len(sq_norms))
-    return [(bound / (s.sqrt() + CLIP_EPS)).clamp_(max=1.0) for s in sq_norms]
+    return [_clamped(bound, s) for s in sq_norms]
+
+
+def _clamped(bound: float, sq: Tensor) -> Tensor:
+    return (bound / (sq.sqrt() + CLIP_EPS)).clamp_(max=1.0)
 
 
 def _batchnorm_in_training(model: nn.Module) -> str | None:
@@ -100,11 +108,12 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"not the model's: they would be stepped without clipping or noise")
 
 
-def _engine(model: nn.Module, loss_reduction: LossReduction) -> PerSample:
-    # own_grad: autograd skips the batch weight gradients the private step replaces.
+def _engine(model: nn.Module, loss_reduction: LossReduction, book: Book) -> PerSample:
+    # own_grad: autograd skips the batch weight gradients the private step replaces; the
+    # book: the clipped sums from closed forms (per layer: formed already in backward).
     try:
         return PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",),
-                         own_grad=True)
+                         own_grad=True, book=book)
     except ValueError as err:
         if "another open" not in str(err):
             raise
@@ -169,7 +178,10 @@ class DPSGD:
         self._hooks = HookSet()
         try:
             self._install(model, scaler)
-            self._ps = _engine(model, loss_reduction)
+            bound = self.max_grad_norm / math.sqrt(len(params))
+            book = Book(None if clipping == "flat" else
+                        lambda _q, sq: self._layer_coefficients(bound, sq))
+            self._ps = _engine(model, loss_reduction, book)
         except BaseException:
             self.detach()
             raise
@@ -210,20 +222,31 @@ class DPSGD:
 
     def _clipped_sum(self) -> list[Tensor] | None:
         """``sum_i c_i g_i`` of each trainable parameter over the samples of the engine's
-        backward(s) (one micro-batch), of the unscaled gradients; ``None`` without samples."""
-        n = self._ps.batch_size
-        if not n:  # an empty batch, or no backward
+        backward(s) (one micro-batch), of the unscaled gradients; ``None`` without samples.
+        The engine gives the squared per-sample norms, then the sums for the coefficients
+        (from closed forms where the layer has one)."""
+        if not self._ps.batch_size:  # an empty batch, or no backward
             return None
-        per = self._ps.grad
-        grads = [per[name] for name in self._params]
-        sq = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square_() for g in grads]
+        clipped = self._ps.clipped
+        sq = clipped.norm_sq()
         scale = self._scale.scale()
+        norms = list(sq.values())
         if scale is not None:  # the gradients of scale * loss
-            sq = [s / scale.to(s.device, s.dtype).square() for s in sq]
-        coefs = clip_coefficients(sq, self.max_grad_norm, self.clipping)
+            norms = [s / scale.to(s.device, s.dtype).square() for s in norms]
+        coefs = clip_coefficients(norms, self.max_grad_norm, self.clipping)
         if scale is not None:
             coefs = [c / scale.to(c.device, c.dtype) for c in coefs]
-        return [torch.tensordot(c, g, dims=1) for c, g in zip(coefs, grads, strict=True)]
+        weighted = clipped.weighted(dict(zip(sq, coefs, strict=True)))
+        return [weighted[name] for name in self._params]
+
+    def _layer_coefficients(self, bound: float, sq: Tensor) -> Tensor:
+        """Per-layer clipping inside backward: one parameter's coefficients from its squared
+        per-sample norms, of the unscaled gradients."""
+        scale = self._scale.scale()
+        if scale is None:
+            return _clamped(bound, sq)
+        s = scale.to(sq.device, sq.dtype)
+        return _clamped(bound, sq / s.square()) / s
 
     def _private_grads(self) -> list[Tensor]:
         """The private gradient of each trainable parameter (``.grad`` of the next step), from

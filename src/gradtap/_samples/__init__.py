@@ -19,6 +19,10 @@ Two levels:
   (``call_compute``), and which rows of a tensor hold a non-finite value (``bad_rows``),
   for a consumer that already holds the records.
 
+``clipped`` gives a clipping consumer each parameter's squared per-sample norms and its
+coefficient-weighted sum ``sum_n c_n g_n`` from closed forms (``PerSample(book=Book())``),
+without per-sample gradients where a layer has one.
+
 ``owners`` resolves which module owns each selected parameter and its rule entry;
 ``compute`` turns one record into the quantities asked; ``units`` holds the kept calls and
 the comparison of each backward's split; ``fallback`` replays calls under ``torch.func``;

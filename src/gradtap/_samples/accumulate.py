@@ -68,13 +68,24 @@ class Step:
         names = {rel: q for rel, q in names.items() if q not in self.late}
         if not names:
             return
-        scale = self._spec.scale(n)
-        materialize = self._spec.materialize(owner, names)
+        spec = self._spec
+        scale = spec.scale(n)
+        booked = spec.book is not None and spec.book.takes(spec.summed(owner, names))
+        materialize = spec.materialize(owner, names) and not booked
         try:
             with torch.no_grad():
                 compute = compute_for(owner, rec, scale, frozenset(names), materialize, n,
-                                      self._spec.batch_dim, call)
-                if materialize:
+                                      spec.batch_dim, call)
+                if booked and compute.closed_form:
+                    assert spec.book is not None
+                    spec.book.add(names, compute)
+                    for rel, qual in names.items():  # autograd's, for the sum check
+                        g = rec.param_grads.get(rel)
+                        if g is not None:
+                            self.pg[qual] = g
+                    owner.seen.update(names)
+                    return
+                if materialize or booked:
                     grads = compute.grads()
                     self.add_grads(names, grads,
                                    checked_sums(self._spec.sketches, compute, grads, names))
@@ -199,7 +210,8 @@ class Totals:
             self._results = self._finish(n)
         return self._results
 
-    def _finish(self, n: int | None) -> dict[str, object]:
+    def raise_failed(self) -> None:
+        """Raise when a parameter got no per-sample gradients from a rule or a replay."""
         if self._failed:
             raise GradtapError(
                 "per_sample: no per-sample gradients could be computed for "
@@ -207,6 +219,9 @@ class Totals:
                 + ". Leave these parameters out with select=, or make the forward one a replay "
                 "can repeat (eval mode, arguments not modified in place)"
             )
+
+    def _finish(self, n: int | None) -> dict[str, object]:
+        self.raise_failed()
         if n is None or not (self.grad or self.norm_sq or self.sum_sq or self.total):
             raise GradtapError(
                 "per_sample: no per-sample gradient was computed yet; read the results after "

@@ -45,6 +45,17 @@ class Compute:
         """``sum_n g_n``, ``param.shape``: the batch gradient times the scale."""
         return {k: g.sum(0) for k, g in self.grads().items()}
 
+    def weighted_total(self, coefs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``sum_n c_n g_n`` per name, with ``coefs[name]`` ``[N]``: here from the
+        per-sample gradients; rules and pieces weight the output gradient instead."""
+        return {k: torch.tensordot(coefs[k].to(g.dtype), g, dims=1)
+                for k, g in self.grads().items()}
+
+    @property
+    def closed_form(self) -> bool:
+        """Whether :meth:`weighted_total` needs no per-sample gradients."""
+        return False
+
 
 class RuleCompute(Compute):
     """A registered rule on ``(input, grad_out)``; ``after`` scales results (rules are linear)."""
@@ -80,6 +91,25 @@ class RuleCompute(Compute):
     def total(self) -> dict[str, Tensor]:
         out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after)
+
+    def weighted_total(self, coefs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``sum_n c_n g_n``: every rule is linear in the output gradient, so it is the
+        batch gradient (``total``) of ``c_n`` times sample n's output gradient."""
+        out: dict[str, Tensor] = {}
+        for group in _same_coefs(coefs, self.names):
+            c = coefs[next(iter(group))]
+            go = self.go * c.to(self.go.dtype).reshape(-1, *([1] * (self.go.dim() - 1)))
+            res = self.rule.total_of(self.owner.module, self.inp, go, group)
+            out.update(self._scaled(res, self.after))
+        return out
+
+    @property
+    def closed_form(self) -> bool:
+        """No parametrization, and norms without per-sample gradients (``norm_builds``):
+        where the norms build them anyway, building them once is cheaper."""
+        builds = self.rule.norm_builds
+        return not self.owner.parametrized and not (
+            builds is not None and builds(self.owner.module, self.inp, self.go))
 
     def sketch(self, names: frozenset[str], r: Tensor) -> dict[str, Tensor]:
         """``total() @ r`` for the names the rule's ``total_sketch`` covers."""
@@ -139,6 +169,9 @@ class ParametrizedCompute(RuleCompute):
     def total_is_cheap(self, grads: dict[str, Tensor]) -> bool:
         return False
 
+    def weighted_total(self, coefs: dict[str, Tensor]) -> dict[str, Tensor]:
+        return Compute.weighted_total(self, coefs)
+
 
 class PiecesCompute(Compute):
     def __init__(self, pieces: list[Piece], names: frozenset[str]) -> None:
@@ -155,6 +188,19 @@ class PiecesCompute(Compute):
 
     def total(self) -> dict[str, Tensor]:
         return total_pieces(self.pieces, self.names)
+
+    def weighted_total(self, coefs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``sum_n c_n g_n``: the pieces' batch gradients with weighted output gradients."""
+        def weighted(p: Piece) -> Piece:
+            c = coefs[p.name].to(p.grad_out.dtype)
+            return p._replace(grad_out=p.grad_out * c.reshape(-1, *([1] * (p.grad_out.dim() - 1))))
+
+        names = self.names & set(coefs)
+        return total_pieces([weighted(p) for p in self.pieces if p.name in names], names)
+
+    @property
+    def closed_form(self) -> bool:
+        return True
 
 
 class FallbackCompute(Compute):
@@ -200,6 +246,14 @@ class FallbackCompute(Compute):
                 s = g.square().sum(0)
                 out[k] = s if k not in out else out[k] + s
         return out
+
+
+def _same_coefs(coefs: dict[str, Tensor], names: frozenset[str]) -> list[frozenset[str]]:
+    """``names`` grouped by their coefficient tensor (one group under flat clipping)."""
+    groups: dict[int, set[str]] = {}
+    for k in sorted(names & set(coefs)):
+        groups.setdefault(id(coefs[k]), set()).add(k)
+    return [frozenset(g) for g in groups.values()]
 
 
 def compute_for(owner: Owner, rec: GradRecord, scale: float, names: frozenset[str],

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from gradtap._samples.accumulate import Step, Totals
 from gradtap._samples.buffers import computing, pool_for
 from gradtap._samples.check import check_sums
+from gradtap._samples.clipped import Book, Clipped
 from gradtap._samples.frames import Calls, samples_in, samples_of
 from gradtap._samples.layout import split_call
 from gradtap._samples.membership import Membership
@@ -81,6 +82,7 @@ class PerSample:
         quantities: Iterable[Quantity] = ("grad", "norm"),
         fallback: bool = True,
         own_grad: bool = False,
+        book: Book | None = None,
     ) -> None:
         self._spec = spec = Spec(model, select, loss_reduction, batch_dim, quantities, fallback)
         self.loss_reduction = spec.loss_reduction
@@ -91,6 +93,10 @@ class PerSample:
         self._hooks.add_cleanup(spec.session.attach().detach)
         self._membership = Membership()
         self._hooks.add_cleanup(self._membership.end)
+        if book is not None and not (own_grad and "grad" in spec.quantities):
+            raise ValueError("per_sample: a book (clipped sums) needs own_grad=True and "
+                             "quantities with 'grad'")
+        self._book = spec.book = book
         self._own = OwnGrad(spec, self._hooks, self.own_grad, self._membership)
         self._replays = Replays(spec)
         self._pool = pool_for(spec.model)
@@ -161,6 +167,8 @@ class PerSample:
         self._shared.new_group()
         self._shared.new_backward()
         self._own.clear()
+        if self._book is not None:
+            self._book.clear()
         self._step = Step(self._spec)
 
     def _new_backward(self) -> None:
@@ -328,6 +336,8 @@ class PerSample:
                 bad = {q: why for q, why in suspects.items() if q in step.increments}
                 for q in suspects:
                     step.discard(q)
+                    if self._book is not None:  # the replay gives it
+                        self._book.drop(q)
                 if bad:
                     with self._computing():
                         self._replays.run(bad, n, step, self._totals, self._calls.uses)
@@ -375,6 +385,24 @@ class PerSample:
     def snr(self) -> dict[str, Tensor]:
         """``{name: param.shape}``: ``mean_n(g_n)**2 / (variance + 1e-12)``, elementwise."""
         return self._get("snr")  # type: ignore[return-value]
+
+    @property
+    def clipped(self) -> Clipped:
+        """The squared per-sample norms and the weighted sums ``sum_n c_n g_n`` of every
+        parameter, from closed forms where the calls were booked (``book=``), else from
+        per-sample gradients (``_samples.clipped``); ``[N, *shape]`` is built only for the
+        parameters that are not booked.
+
+        Raises:
+            GradtapError: no backward yet, or a parameter got no per-sample gradients.
+        """
+        if self._book is None:
+            raise GradtapError("per_sample: clipped sums need a book (book=Book())")
+        if self.batch_size is None:
+            self._totals.raise_failed()
+            raise GradtapError("per_sample: no per-sample gradient was computed yet")
+        self._totals.raise_failed()
+        return Clipped(self._book, self._totals.grad, self._spec.params, self.batch_size)
 
     def _get(self, key: str, quantity: str | None = None) -> object:
         quantity = quantity or key

@@ -112,6 +112,7 @@ class OwnGrad:
         self._shares: dict[str, Tensor] = {}  # what this backward adds to .grad
         self._lost: dict[str, str] = {}  # qual -> why its share is unknown
         self._autograd_seen: set[str] = set()  # got a gradient from autograd too
+        self._booked: set[str] = set()  # went to the book (clipped sums): no share
 
     # -- installing -------------------------------------------------------------------------
 
@@ -293,12 +294,21 @@ class OwnGrad:
             return
         spec = self._spec
         scale, c = spec.scale(n), spec.share(n)
-        materialize = spec.materialize(owner, names)
+        booked = spec.book is not None and spec.book.takes(spec.summed(owner, names))
+        materialize = spec.materialize(owner, names) and not booked
         try:
             with torch.no_grad():
                 compute = self._compute(owner, rec, own, names, scale, materialize, n)
                 if compute is None:
                     return
+                if booked and compute.closed_form:
+                    # No share of .grad: the consumer reads the clipped sum instead.
+                    assert spec.book is not None
+                    spec.book.add(names, compute)
+                    owner.seen.update(names)
+                    self._booked.update(names.values())
+                    return
+                materialize = materialize or booked
                 if materialize:
                     grads = compute.grads()
                     totals = sums(compute, grads)
@@ -346,7 +356,7 @@ class OwnGrad:
     def owned_only(self) -> set[str]:
         """The parameters whose every use this backward was owned: their ``.grad``
         increments are the sums of their per-sample gradients by construction."""
-        return set(self._shares) - self._autograd_seen
+        return (set(self._shares) | self._booked) - self._autograd_seen
 
     def write(self) -> dict[str, str]:
         """Add this backward's shares to ``.grad`` (as autograd accumulates); returns the

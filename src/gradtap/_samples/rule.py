@@ -138,6 +138,9 @@ class PerSampleRule:
         total_cost: ``(inp, grad_out) -> int``, what ``total`` costs in multiply-adds: when
             per-sample gradients are built anyway, their sum costs their size, and the
             cheaper of the two is taken. Without it they are summed.
+        norm_builds: ``(module, inp, grad_out) -> bool``: whether ``norm_sq`` builds
+            per-sample gradients for this call (a direct form, chunk by chunk); a clipped
+            sum then takes them rather than a closed form (``_samples.clipped``).
         total_sketch: optional ``total`` times a random matrix, for the end-of-backward
             check when ``total`` costs as much as autograd's own batch gradient.
         pieces: the call's linear maps, for types without ``grad``.
@@ -157,6 +160,7 @@ class PerSampleRule:
     sum_sq: GradRule | None = None
     total: GradRule | None = None
     total_cost: Callable[[Tensor, Tensor], int] | None = None
+    norm_builds: Callable[[nn.Module, Tensor, Tensor], bool] | None = None
     total_sketch: Callable[[nn.Module | None, Tensor, Tensor, frozenset[str], Tensor],
                            dict[str, Tensor]] | None = None
     pieces: PiecesRule | None = None

@@ -10,7 +10,7 @@ The collaborators of :class:`~gradtap._samples.api.PerSample` share it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal, cast, get_args
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 from torch import nn
 
@@ -20,6 +20,9 @@ from gradtap._samples.results import STATS
 from gradtap._samples.sketch import Sketches
 from gradtap._types import Selector
 from gradtap.capture import session
+
+if TYPE_CHECKING:
+    from gradtap._samples.clipped import Book
 
 __all__ = ["QUANTITIES", "LossReduction", "Quantity", "Spec"]
 
@@ -63,6 +66,8 @@ class Spec:
         self.use_count: dict[str, int] = resolved.use_count
         # qualified name -> names of its owners
         self.owners_of: dict[str, list[str]] = resolved.owners_of
+        # Where the calls' closed forms go for clipped sums (``clipped``), when asked.
+        self.book: Book | None = None
 
     def scale(self, n: int) -> float:
         """The factor from a record's gradients (of the loss) to those of each sample's term."""
@@ -75,5 +80,10 @@ class Spec:
     def materialize(self, owner: Owner, names: dict[str, str]) -> bool:
         """Whether one call's per-sample gradients of ``names`` (relative -> qualified) must be
         built: asked for, or summed with those of other calls (norms of a sum do not add up)."""
-        return (self.want_grad or owner.calls > 1 or bool(owner.seen & set(names))
+        return self.want_grad or self.summed(owner, names)
+
+    def summed(self, owner: Owner, names: dict[str, str]) -> bool:
+        """Whether one call's per-sample gradients of ``names`` are summed with those of
+        other calls (a module called several times, a tied parameter)."""
+        return (owner.calls > 1 or bool(owner.seen & set(names))
                 or any(self.use_count.get(q, 1) > 1 for q in names.values()))

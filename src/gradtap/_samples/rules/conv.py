@@ -107,11 +107,9 @@ def norm_conv(
         o = p.g.shape[1]
         k = math.prod(p.kernel)
         length = math.prod(p.g.shape[2:])
-        direct = o * (c // p.groups) * k * length
-        ghost = length * length * (c * k + o)
         limit = budget(p.x, p.g)
         parts = []
-        if (form or ("ghost" if ghost < direct else "direct")) == "ghost":
+        if (form or ("ghost" if _ghost_cheaper(p) else "direct")) == "ghost":
             per_sample = c * k * length + 2 * p.groups * length * length
             for sl in chunks(n, per_sample, limit):
                 q = p._replace(x=p.x[sl], g=p.g[sl])
@@ -132,7 +130,17 @@ def norm_conv(
     return out
 
 
-#: ``CONV_TYPES``: inputs ``[N, C, *spatial]``; the sum of squares is reduced from ``grad``.
+def _ghost_cheaper(p: WeightGradProblem) -> bool:
+    c, o = p.x.shape[1], p.g.shape[1]
+    k, length = math.prod(p.kernel), math.prod(p.g.shape[2:])
+    return length * length * (c * k + o) < o * (c // p.groups) * k * length
+
+
+def norm_builds_conv(module: nn.Module, inp: Tensor, grad_out: Tensor) -> bool:
+    """Whether :func:`norm_conv` builds per-sample weight gradients (the direct form)."""
+    return not _ghost_cheaper(_problem(module, inp, grad_out))
+
+
 def total_conv(
     module: nn.Module, inp: Tensor, grad_out: Tensor, names: frozenset[str]
 ) -> dict[str, Tensor]:
@@ -145,4 +153,6 @@ def total_conv(
     return out
 
 
-CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, total=total_conv, batch_dim=0)
+#: ``CONV_TYPES``: inputs ``[N, C, *spatial]``; the sum of squares is reduced from ``grad``.
+CONV = PerSampleRule(grad=grad_conv, norm_sq=norm_conv, total=total_conv,
+                     norm_builds=norm_builds_conv, batch_dim=0)

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from gradtap._samples.buffers import pooled
 from gradtap._samples.rule import PerSampleRule, Piece, budget, chunks
 
-__all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_linear", "norm_sq_pieces",
+__all__ = ["LINEAR", "grad_linear", "grad_pieces", "norm_builds_linear", "norm_linear",
+           "norm_sq_pieces",
            "sketch_linear", "sum_sq_linear", "sum_sq_pieces", "total_linear", "total_pieces"]
 
 
@@ -69,7 +70,7 @@ def norm_linear(
     if "weight" in names:
         if t == 1:
             out["weight"] = a.square().sum((1, 2)) * b.square().sum((1, 2))
-        elif (form or ("ghost" if t * (i + o) <= o * i else "direct")) == "ghost":
+        elif (form or ("ghost" if _ghost_cheaper(t, i, o) else "direct")) == "ghost":
             parts = []
             for sl in chunks(n, 2 * t * t, budget(a, b)):
                 gram_a = torch.bmm(a[sl], a[sl].transpose(1, 2))
@@ -85,6 +86,16 @@ def norm_linear(
     if "bias" in names:
         out["bias"] = b.sum(1).square().sum(1)
     return out
+
+
+def _ghost_cheaper(t: int, i: int, o: int) -> bool:
+    return t * (i + o) <= o * i
+
+
+def norm_builds_linear(module: nn.Module | None, inp: Tensor, grad_out: Tensor) -> bool:
+    """Whether :func:`norm_linear` builds per-sample gradients (the direct form)."""
+    t = inp.reshape(inp.shape[0], -1, inp.shape[-1]).shape[1] if inp.shape[0] else 1
+    return t > 1 and not _ghost_cheaper(t, inp.shape[-1], grad_out.shape[-1])
 
 
 def sum_sq_linear(
@@ -135,6 +146,7 @@ def sketch_linear(
 #: ``nn.Linear``: closed forms for every quantity.
 LINEAR = PerSampleRule(grad=grad_linear, norm_sq=norm_linear, sum_sq=sum_sq_linear,
                        total=total_linear, total_sketch=sketch_linear,
+                       norm_builds=norm_builds_linear,
                        total_cost=lambda inp, go: go.numel() * inp.shape[-1])
 
 
