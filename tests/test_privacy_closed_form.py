@@ -97,8 +97,9 @@ def test_a_tied_table_falls_back_to_per_sample_gradients() -> None:
 
 
 def test_two_backwards_before_a_step_add_up_per_sample() -> None:
-    """Flat: the second backward's per-sample parts join the first's (materialized, as the
-    norm of a sum needs); the step equals the per-sample loop's. Per layer: refused."""
+    """Two backwards over one forward (one micro-batch). Flat: the second backward's
+    per-sample parts join the first's (materialized, as the norm of a sum needs); the step
+    equals the per-sample loop's. Per layer: refused."""
     torch.manual_seed(0)
     model = MODELS["sequence_linear"][0]().double()
     ref = copy.deepcopy(model)
@@ -110,15 +111,17 @@ def test_two_backwards_before_a_step_add_up_per_sample() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with gt.dp_sgd(model, opt, max_grad_norm=c, sample_rate=0.5, dataset_size=4,
                    noise_multiplier=0.0):
-        (0.3 * F.cross_entropy(model(x), y)).backward()
-        (0.7 * F.cross_entropy(model(x), y)).backward()
+        out = model(x)
+        (0.3 * F.cross_entropy(out, y)).backward(retain_graph=True)
+        (0.7 * F.cross_entropy(out, y)).backward()
         opt.step()
     for p, b, e in zip(model.parameters(), before, expected, strict=True):
         torch.testing.assert_close(b - p.detach(), e / 2, rtol=1e-10, atol=1e-13)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with gt.dp_sgd(model, opt, max_grad_norm=c, sample_rate=0.5, dataset_size=4,
                    noise_multiplier=0.0, clipping="per_layer"):
-        F.cross_entropy(model(x), y).backward()
-        F.cross_entropy(model(x), y).backward()
+        out = model(x)
+        F.cross_entropy(out, y).backward(retain_graph=True)
         with pytest.raises(GradtapError, match="second backward"):
+            F.cross_entropy(out, y).backward()
             opt.step()

@@ -76,8 +76,6 @@ def test_micro_batches_equal_a_per_sample_loop_over_the_logical_batch(kind: str,
     assert_no_hooks(model)
 
 
-@pytest.mark.xfail(strict=True, reason="the per-sample engine with own_grad=True loses a "
-                   "second backward's share of a layer's per-sample gradients over one forward")
 def test_two_backwards_over_one_forward_are_one_micro_batch() -> None:
     torch.manual_seed(0)
     model = MODELS["mlp"][0]().double()
