@@ -36,9 +36,12 @@ rank per value, so one spike neither masks the next nor moves the baseline.
 
 :func:`scores` scores a table of norms (vectorised over steps); :class:`OnlineScores` scores
 many tensors one step at a time (vectorised over tensors) with exactly the same numbers.
-Medians are those of sorted rows (several times quicker than ``np.median`` on rows of 64);
-where every tensor has a norm at every step, each tensor's partner is chosen once per change
-of the pairs' spreads.
+Medians are those of sorted rows (several times quicker than ``np.median`` on rows of 64),
+sorted a chunk at a time in a buffer that stays in the cache (one numpy pass over a row of
+64 costs most of what its sort costs, and updating a sorted window in place takes several:
+find the leaving value, the entering one's place, shift); where
+every tensor has a norm at every step, each tensor's partner is chosen once per change of
+the pairs' spreads.
 
 Example:
     >>> import numpy as np
