@@ -148,7 +148,7 @@ def _middle(win: np.ndarray, absolute: bool = False) -> np.ndarray:
     of its middle one or two values, as ``np.median`` computes it. Rows are copied (or their
     absolute values written) into a buffer and sorted there, :data:`_CHUNK` at a time: a sort
     of rows of 64 is several times quicker than ``np.median``, and in a buffer that stays in
-    the cache it costs about half a sort of the whole array."""
+    the cache it costs about 60% of a sort of the whole array."""
     rows, n = win.shape
     out = np.empty(rows)
     buf = np.empty((min(rows, _CHUNK), n))
