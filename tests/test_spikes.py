@@ -17,6 +17,7 @@ from torch import nn
 import gradtap as gt
 from gradtap._monitor.history import MemoryRun
 from gradtap._tensorops.spikes import (
+    _CHUNK,
     MIN_COMMON,
     NEIGHBOURS,
     PAIR_GATE,
@@ -26,6 +27,7 @@ from gradtap._tensorops.spikes import (
     WARMUP,
     WINDOW,
     OnlineScores,
+    _middle,
     scores,
     series_scores,
 )
@@ -134,6 +136,20 @@ def test_scores_equal_the_loop_over_steps_and_the_online_scores(data, n, steps, 
         step_by_step[t] = online.score(values[t])
         online.push(values[t])
     np.testing.assert_array_equal(step_by_step, got)  # exactly the same numbers
+
+
+def test_medians_in_chunks_are_those_of_np_median_and_a_long_table_those_of_the_loop():
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(_CHUNK + 5, WINDOW))
+    rows[:, :8] = np.round(rows[:, :8])  # ties
+    assert np.array_equal(_middle(rows), np.median(rows, axis=1))
+    assert np.array_equal(_middle(rows[:, 1:], absolute=True),
+                          np.median(np.abs(rows[:, 1:]), axis=1))
+    steps = _CHUNK + 2 * WINDOW  # full histories in two chunks
+    values = np.exp(rng.normal(0, 0.1, (steps, 3)) - np.arange(steps)[:, None] / steps)
+    values[steps // 2, 1] *= 10
+    want = np.array(_reference(values.tolist(), WARMUP), dtype=np.float64).reshape(steps, 3)
+    np.testing.assert_allclose(scores(values), want, rtol=1e-9, atol=1e-9, equal_nan=True)
 
 
 def test_a_trend_and_a_step_decay_score_low_and_a_x10_spike_scores_high():
