@@ -171,6 +171,31 @@ def test_gradient_accumulates_over_two_backwards_like_autograd(loss_reduction):
         close(reduce(grads2[k]), g2[k], f"batch 2 {k}")
 
 
+@pytest.mark.parametrize("config", ["self-attention", "attention-weights-in-the-loss"])
+def test_two_backwards_over_one_forward_add_both_shares(config):
+    """``retain_graph=True``: each backward adds its own share of ``.grad``, and the per-sample
+    gradients are those of the two losses' sum."""
+    model, b = Block(**BLOCKS[config]), batch()
+
+    def both(m: nn.Module, bb: dict[str, Tensor]) -> Tensor:
+        out = m(bb["tokens"])
+        return 0.3 * F.cross_entropy(out, bb["y"]) + 0.7 * out.square().sum(1).mean()
+
+    expected = autograd_grads(model, both, b)
+    params = dict(model.named_parameters())
+    per = [torch.autograd.grad(both(model, slice_batch(b, i)), list(params.values()))
+           for i in range(N)]
+    with gt.per_sample(model, own_grad=True) as ps:
+        out = model(b["tokens"])
+        (0.3 * F.cross_entropy(out, b["y"])).backward(retain_graph=True)
+        (0.7 * out.square().sum(1).mean()).backward()
+        grads = ps.grad
+    assert_no_hooks(model)
+    for j, (k, p) in enumerate(params.items()):
+        close(p.grad, expected[k], f".grad {k}")
+        close(grads[k], torch.stack([g[j] for g in per]), f"grad {k}")
+
+
 class Scale(nn.Module):
     """A module without a rule: its parameter keeps autograd's path."""
 

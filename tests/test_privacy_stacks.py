@@ -202,9 +202,7 @@ def test_a_compiled_model_runs_eagerly_and_equals_eager(mode: str) -> None:
 
 @pytest.mark.parametrize("kind", [
     "mlp", "cnn_groupnorm", "rmsnorm", "conv_gram", "lora", "sequence_linear", "tied_embedding",
-    pytest.param("embedding_layernorm_mha", marks=pytest.mark.xfail(
-        strict=True, reason="with own_grad=True a second backward over one forward loses its "
-                            "share of MultiheadAttention's per-sample gradients"))])
+    "embedding_layernorm_mha"])
 def test_two_weighted_backwards_over_one_forward_add_up_per_sample(kind: str) -> None:
     torch.manual_seed(0)
     model = MODELS[kind][0]().double()

@@ -10,7 +10,9 @@ rule with a forward of its own (``MultiheadAttention``) runs instead of the modu
 an :class:`~gradtap._samples.rule.OwnCall` that keeps what it reads. When an owned call's
 record comes in backward, its per-sample quantities are computed as for any record, and
 their sum (times ``1/N`` for a mean loss) is the call's share of ``.grad``, added at the end
-of the backward (:meth:`OwnGrad.write`).
+of the backward (:meth:`OwnGrad.write`). An owned call is remembered until the next forward
+group, so every backward over one forward (``retain_graph=True``) adds its own share: a
+rule's own forward keeps what it read until then, and the gradients it watches per backward.
 """
 
 from __future__ import annotations
@@ -108,7 +110,11 @@ class OwnGrad:
         self._calls: dict[tuple[str, int], object] = {}
 
     def new_backward(self) -> None:
-        """Forget the last backward's shares (written already)."""
+        """Forget the last backward's shares (written already) and the gradients the owned
+        calls' own forwards read in it (a next backward over the same forward reads its own)."""
+        for own in self._calls.values():
+            if isinstance(own, _OwnCall):
+                own.new_backward()
         self._shares: dict[str, Tensor] = {}  # what this backward adds to .grad
         self._lost: dict[str, str] = {}  # qual -> why its share is unknown
         self._autograd_seen: set[str] = set()  # got a gradient from autograd too
@@ -270,8 +276,9 @@ class OwnGrad:
     # -- backward side ----------------------------------------------------------------------
 
     def take(self, name: str, call: int) -> object | None:
-        """What owned call ``call`` of ``name`` read, or ``None`` when it was not owned."""
-        return self._calls.pop((name, call), None) if self._calls else None
+        """What owned call ``call`` of ``name`` read, or ``None`` when it was not owned; kept
+        for a next backward over the same forward until :meth:`new_group`."""
+        return self._calls.get((name, call)) if self._calls else None
 
     def autograd_added(self, qual: str) -> None:
         """Autograd computed a gradient of ``qual`` too (a use outside the owned calls)."""
@@ -331,7 +338,7 @@ class OwnGrad:
             return
         finally:
             if isinstance(own, _OwnCall):
-                own.release()
+                own.new_backward()
         owner.seen.update(names)
 
     def _compute(self, owner: Owner, rec: GradRecord, own: object, names: dict[str, str],
@@ -414,9 +421,9 @@ class _OwnCall:
     def kept(self) -> dict[str, Tensor]:
         return self._kept
 
-    def release(self) -> None:
-        """Drop what was read (the hooks on the graph outlive the call's record)."""
-        self._kept.clear()
+    def new_backward(self) -> None:
+        """Forget the gradients read in this backward (the forward tensors stay, for a next
+        backward over the same forward; they go with the call at the next forward group)."""
         self._grads.clear()
 
     @property
