@@ -16,7 +16,7 @@ from torch import Tensor
 from gradtap._samples.fallback import CannotReplay, grad_fallback, quiet_vmap, replay_call
 from gradtap._samples.layout import KeptCall
 from gradtap._samples.owners import Owner, rows
-from gradtap._samples.rule import PerSampleRule, Piece, budget, chunks
+from gradtap._samples.rule import PerSampleRule, Piece, _numel, budget, chunks
 from gradtap._samples.rules.linear import (
     grad_pieces,
     norm_sq_pieces,
@@ -63,6 +63,21 @@ class RuleCompute(Compute):
     def __init__(self, owner: Owner, inp: Tensor, go: Tensor, names: frozenset[str],
                  after: float = 1.0) -> None:
         self.owner, self.inp, self.go, self.names, self.after = owner, inp, go, names, after
+        self._kept: dict[str, Tensor] | None = None
+
+    def _small(self) -> dict[str, Tensor] | None:
+        """The per-sample gradients, unscaled, built once and kept, for a rule with only
+        ``grad`` (its norms and sums would build them anyway, each time) whose gradients
+        are no larger than the input kept beside them (the norms' affine parameters):
+        ``None`` for any other."""
+        if self._kept is None:
+            rule = self.rule
+            if (rule.grad is None or rule.norm_sq is not None or rule.total is not None
+                    or self.inp.shape[0] * _numel(self.owner.module, self.names)
+                    > self.inp.numel()):
+                return None
+            self._kept = rule.grad(self.owner.module, self.inp, self.go, self.names)
+        return self._kept
 
     def _scaled(self, out: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
         if factor != 1.0:
@@ -76,25 +91,43 @@ class RuleCompute(Compute):
         return self.owner.rule
 
     def grads(self) -> dict[str, Tensor]:
+        small = self._small()
+        if small is not None:
+            return {k: g * self.after for k, g in small.items()}
         grad = self.rule.grad
         assert grad is not None
         return self._scaled(grad(self.owner.module, self.inp, self.go, self.names), self.after)
 
     def norm_sq(self) -> dict[str, Tensor]:
+        small = self._small()
+        if small is not None:
+            return {k: g.reshape(g.shape[0], -1).square().sum(1) * self.after**2
+                    for k, g in small.items()}
         out = self.rule.norm_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
     def sum_sq(self) -> dict[str, Tensor]:
+        small = self._small()
+        if small is not None:
+            return {k: g.square().sum(0) * self.after**2 for k, g in small.items()}
         out = self.rule.sum_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
     def total(self) -> dict[str, Tensor]:
+        small = self._small()
+        if small is not None:
+            return {k: g.sum(0) * self.after for k, g in small.items()}
         out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after)
 
     def weighted_total(self, coefs: dict[str, Tensor]) -> dict[str, Tensor]:
         """``sum_n c_n g_n``: every rule is linear in the output gradient, so it is the
-        batch gradient (``total``) of ``c_n`` times sample n's output gradient."""
+        batch gradient (``total``) of ``c_n`` times sample n's output gradient (or, where
+        the per-sample gradients are kept, their contraction with ``c``)."""
+        small = self._small()
+        if small is not None:
+            return {k: torch.tensordot(coefs[k].to(g.dtype), g, dims=1) * self.after
+                    for k, g in small.items()}
         out: dict[str, Tensor] = {}
         for group in _same_coefs(coefs, self.names):
             c = coefs[next(iter(group))]
