@@ -64,19 +64,23 @@ class RuleCompute(Compute):
                  after: float = 1.0) -> None:
         self.owner, self.inp, self.go, self.names, self.after = owner, inp, go, names, after
         self._kept: dict[str, Tensor] | None = None
+        self._keeps: bool | None = None
 
     def _small(self) -> dict[str, Tensor] | None:
         """The per-sample gradients, unscaled, built once and kept, for a rule with only
         ``grad`` (its norms and sums would build them anyway, each time) whose gradients
         are no larger than the input kept beside them (the norms' affine parameters):
         ``None`` for any other."""
-        if self._kept is None:
+        if self._keeps is None:
             rule = self.rule
-            if (rule.grad is None or rule.norm_sq is not None or rule.total is not None
-                    or self.inp.shape[0] * _numel(self.owner.module, self.names)
-                    > self.inp.numel()):
-                return None
-            self._kept = rule.grad(self.owner.module, self.inp, self.go, self.names)
+            self._keeps = (rule.grad is not None and rule.norm_sq is None
+                           and rule.total is None
+                           and self.inp.shape[0] * _numel(self.owner.module, self.names)
+                           <= self.inp.numel())
+        if self._keeps and self._kept is None:
+            grad = self.rule.grad
+            assert grad is not None
+            self._kept = grad(self.owner.module, self.inp, self.go, self.names)
         return self._kept
 
     def _scaled(self, out: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
@@ -101,22 +105,22 @@ class RuleCompute(Compute):
     def norm_sq(self) -> dict[str, Tensor]:
         small = self._small()
         if small is not None:
-            return {k: g.reshape(g.shape[0], -1).square().sum(1) * self.after**2
-                    for k, g in small.items()}
+            return self._scaled({k: g.reshape(g.shape[0], -1).square().sum(1)
+                                 for k, g in small.items()}, self.after**2)
         out = self.rule.norm_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
     def sum_sq(self) -> dict[str, Tensor]:
         small = self._small()
         if small is not None:
-            return {k: g.square().sum(0) * self.after**2 for k, g in small.items()}
+            return self._scaled({k: g.square().sum(0) for k, g in small.items()}, self.after**2)
         out = self.rule.sum_sq_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after**2)
 
     def total(self) -> dict[str, Tensor]:
         small = self._small()
         if small is not None:
-            return {k: g.sum(0) * self.after for k, g in small.items()}
+            return self._scaled({k: g.sum(0) for k, g in small.items()}, self.after)
         out = self.rule.total_of(self.owner.module, self.inp, self.go, self.names)
         return self._scaled(out, self.after)
 
@@ -126,8 +130,8 @@ class RuleCompute(Compute):
         the per-sample gradients are kept, their contraction with ``c``)."""
         small = self._small()
         if small is not None:
-            return {k: torch.tensordot(coefs[k].to(g.dtype), g, dims=1) * self.after
-                    for k, g in small.items()}
+            return self._scaled({k: torch.tensordot(coefs[k].to(g.dtype), g, dims=1)
+                                 for k, g in small.items()}, self.after)
         out: dict[str, Tensor] = {}
         for group in _same_coefs(coefs, self.names):
             c = coefs[next(iter(group))]
