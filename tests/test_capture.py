@@ -617,6 +617,33 @@ def test_varargs_and_kwargs_naming():
     assert set(t.records[0].grad_inputs) == {"first", "args.0", "args.1", "scale", "bias_term"}
 
 
+def test_a_forward_assigned_to_a_module_is_named_and_not_kept_alive():
+    # A forward set on one instance (a closure over it, as a wrapper or a patch makes) is
+    # named by its own signature, and tapping it keeps neither it nor the module alive.
+    import gc
+    import weakref
+
+    def make() -> nn.Module:
+        m = nn.Linear(3, 3)
+
+        def forward(inp, gain=2.0):
+            return nn.Linear.forward(m, inp) * gain
+
+        m.forward = forward
+        return m
+
+    m = make()
+    x = torch.randn(2, 3, requires_grad=True)
+    with gt.tap(m, "") as t:
+        m(x).sum().backward()
+    assert set(t.records[0].grad_inputs) == {"inp"}
+    torch.testing.assert_close(t.records[0].grad_inputs["inp"], x.grad)
+    alive = weakref.ref(m)
+    del m, t
+    gc.collect()
+    assert alive() is None
+
+
 def test_no_records_under_no_grad():
     net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with gt.tap(net) as t:

@@ -68,12 +68,27 @@ def _has_dtensor(params: Iterable[Tensor]) -> bool:
 def _argument_names(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
     forward = module.forward
     func = getattr(forward, "__func__", None)
-    if func is not None and getattr(forward, "__self__", None) is module:
-        return _names_of(func, bound=True)  # the usual bound method: its names, once per function
-    return _names_of(forward, bound=False)
+    if func is not None and getattr(forward, "__self__", None) is not None:
+        return _cached(func, bound=True)  # a bound method: its function's names, once
+    return _cached(forward, bound=False)
 
 
-@functools.lru_cache(maxsize=1024)
+#: A function -> its names as (unbound, bound), held weakly: a forward assigned to one
+#: module (a closure over it) is not kept alive by the cache after the module is gone.
+_NAMES: weakref.WeakKeyDictionary[Callable, dict[bool, tuple[tuple[str, ...], str | None]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _cached(function: Callable, bound: bool) -> tuple[tuple[str, ...], str | None]:
+    try:
+        per = _NAMES.setdefault(function, {})
+    except TypeError:  # not weakly referenceable, or not hashable: read each time
+        return _names_of(function, bound)
+    if bound not in per:
+        per[bound] = _names_of(function, bound)
+    return per[bound]
+
+
 def _names_of(function: Callable, bound: bool) -> tuple[tuple[str, ...], str | None]:
     """The positional argument names and the ``*args`` name of ``function`` (its first
     positional one, ``self``, left out when ``bound``)."""
