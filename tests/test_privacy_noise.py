@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradtap._privacy.noise import gaussian_noise, shared_generator
+from gradtap._privacy.noise import add_gaussian_noise_, gaussian_noise, shared_generator
 from tests._dist import gloo_available, run_ranks
 
 SHAPES = [(300, 400), (60_000,), (20, 30, 50)]  # 210k elements
@@ -61,6 +61,21 @@ def test_each_tensor_keeps_its_dtype_and_device(device):
     for n, w in zip(noise, want):
         torch.testing.assert_close(n.cpu(), w.to(n.dtype), rtol=0, atol=0)
     assert all(torch.equal(n, torch.zeros_like(n)) for n in gaussian_noise(tensors, 0.0))
+
+
+def test_added_in_place_the_same_draws_in_the_same_order(device):
+    # The step adds its noise one tensor at a time: the same draws as gaussian_noise (same
+    # generator state, same order), each added to its tensor, in its dtype.
+    tensors = [torch.randn(s, device=device) for s in SHAPES] + [
+        torch.randn(7, dtype=torch.float64, device=device)]
+    noisy = [t.clone() for t in tensors]
+    add_gaussian_noise_(noisy, 1.3, torch.Generator(device=device).manual_seed(11))
+    noise = gaussian_noise(tensors, 1.3, torch.Generator(device=device).manual_seed(11))
+    for t, n, got in zip(tensors, noise, noisy, strict=True):
+        assert got.dtype == t.dtype
+        assert torch.equal(got, t + n)
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a floating-point tensor"):
+        add_gaussian_noise_([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], 1.0)
 
 
 def test_bad_arguments_are_named():

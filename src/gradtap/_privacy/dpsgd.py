@@ -32,7 +32,7 @@ from gradtap._privacy.accumulate import MicroBatches
 from gradtap._privacy.amp import LossScale
 from gradtap._privacy.checks import check_noise, check_number, check_rate
 from gradtap._privacy.distributed import Ranks
-from gradtap._privacy.noise import gaussian_noise
+from gradtap._privacy.noise import add_gaussian_noise_
 from gradtap._samples.clipped import Book
 from gradtap._samples.engine import PerSample
 from gradtap._samples.spec import LossReduction
@@ -255,9 +255,9 @@ class DPSGD:
         params = list(self._params.values())
         sums = self._micro.take(params)  # zeros for a step of noise only
         if self.noise_multiplier > 0 and self._ranks.draws_noise:
-            noise = gaussian_noise(sums, self.noise_multiplier * self.max_grad_norm,
-                                   self.generator)
-            torch._foreach_add_(sums, noise)
+            # one parameter's draw at a time: no second copy of the model's gradients
+            add_gaussian_noise_(sums, self.noise_multiplier * self.max_grad_norm,
+                                self.generator)
         self._ranks.sum(sums)
         torch._foreach_div_(sums, self.sample_rate * self.dataset_size)
         return [s.to(dtype=p.dtype) for s, p in zip(sums, params, strict=True)]

@@ -1,4 +1,5 @@
-"""The Gaussian noise of a DP-SGD step: :func:`gaussian_noise`, and :func:`shared_generator`
+"""The Gaussian noise of a DP-SGD step: :func:`gaussian_noise` (:func:`add_gaussian_noise_` adds
+it in place), and :func:`shared_generator`
 for drawing it once for a whole distributed job.
 
 Under DDP every rank holds the same all-reduced clipped sum, and the job must add one draw of
@@ -29,7 +30,7 @@ from gradtap._privacy.checks import check_number
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["gaussian_noise", "shared_generator"]
+__all__ = ["add_gaussian_noise_", "gaussian_noise", "shared_generator"]
 
 
 def gaussian_noise(tensors: Sequence[Tensor], std: float,
@@ -49,22 +50,49 @@ def gaussian_noise(tensors: Sequence[Tensor], std: float,
     >>> a.shape, b.dtype
     (torch.Size([2, 3]), torch.float64)
     """
+    sigma = _checked(tensors, std, generator)
+    return [_draw(t, sigma, generator) for t in tensors]
+
+
+def add_gaussian_noise_(tensors: Sequence[Tensor], std: float,
+                        generator: torch.Generator | None = None) -> None:
+    """Add to each of ``tensors``, in place, the draw :func:`gaussian_noise` would give it
+    (the same draws, in the same order), one tensor's draw at a time: at most one tensor's
+    worth of noise is held, not a copy of them all.
+
+    >>> import torch
+    >>> from gradtap._privacy.noise import add_gaussian_noise_, gaussian_noise
+    >>> a = [torch.ones(3), torch.ones(2)]
+    >>> add_gaussian_noise_(a, 0.5, torch.Generator().manual_seed(0))
+    >>> b = gaussian_noise([torch.ones(3), torch.ones(2)], 0.5, torch.Generator().manual_seed(0))
+    >>> all(torch.equal(x, 1 + y) for x, y in zip(a, b))
+    True
+    """
+    sigma = _checked(tensors, std, generator)
+    for t in tensors:
+        t.add_(_draw(t, sigma, generator))
+
+
+def _checked(tensors: Sequence[Tensor], std: float,
+             generator: torch.Generator | None) -> float:
     sigma = check_number("std", std, 0.0, math.inf, low_open=False, high_open=True,
                          meaning="the noise's standard deviation")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, "
                         f"got {type(generator).__name__}")
-    noise = []
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             what = f"a {t.dtype} tensor" if isinstance(t, Tensor) else type(t).__name__
             raise TypeError(f"gaussian_noise: tensors[{i}] must be a floating-point tensor, "
                             f"got {what}")
-        device = generator.device if generator is not None else t.device
-        draw = torch.randn(t.shape, generator=generator, device=device,
-                           dtype=torch.promote_types(t.dtype, torch.float32))
-        noise.append(draw.mul_(sigma).to(device=t.device, dtype=t.dtype))
-    return noise
+    return sigma
+
+
+def _draw(t: Tensor, sigma: float, generator: torch.Generator | None) -> Tensor:
+    device = generator.device if generator is not None else t.device
+    draw = torch.randn(t.shape, generator=generator, device=device,
+                       dtype=torch.promote_types(t.dtype, torch.float32))
+    return draw.mul_(sigma).to(device=t.device, dtype=t.dtype)
 
 
 def shared_generator(device: torch.device | str = "cpu", seed: int | None = None,
