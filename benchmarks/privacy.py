@@ -1,6 +1,6 @@
 """What a DP-SGD step costs: ``gt.dp_sgd`` vs a plain step vs Opacus (hooks and ghost modes).
 
-Run: .venv/bin/python benchmarks/privacy.py [--quick] [--clock cpu|wall]
+Run: .venv/bin/python benchmarks/privacy.py [--quick] [--parts] [--clock cpu|wall]
 
 Per model, five full training steps (forward, backward, ``optimizer.step()``, ``zero_grad``;
 SGD, mean cross-entropy), each on its own copy of the model: a plain step; ``gt.dp_sgd``
@@ -19,9 +19,12 @@ the per-sample benchmark's transformer encoder (``_models.transformer``: Embeddi
 through ``ModuleValidator.fix``) at batch 32; a causal transformer LM (:class:`CausalLM`:
 Embedding, 2 pre-norm blocks d=128 with a causal mask, LayerNorm, a Linear head over 512
 tokens; 64 tokens, the loss the mean cross-entropy over every token, the privacy unit the
-sequence; Opacus gets a sequence-first copy, ``batch_first=False``) at batch 16; and the small
+sequence; Opacus gets a sequence-first copy, ``batch_first=False``) at batch 16, at width 128
+and again at width 512 (where a layer's Gram-form norm, ``T^2 (I + O)`` multiply-adds per
+sample, is a quarter of its weight gradient's ``T I O``); and the small
 CNN (``_models.small_cnn``, its BatchNorm replaced by GroupNorm: :func:`group_norm_cnn`) at
-batch 64. An Opacus mode that raises on a model gets a row with its error.
+batch 64. An Opacus mode that raises on a model gets a row with its error. ``--parts`` times
+instead the forward, the backward and the optimizer step of the plain and private steps apart.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -189,6 +193,57 @@ VARIANTS: dict[str, Callable[[nn.Module, Tensor, Tensor], Step]] = {
 }
 
 
+def _phases(model: nn.Module, x: Tensor, y: Tensor, clipping: str | None,
+            clock: Callable[[], float]) -> Callable[[], tuple[float, float, float]]:
+    """A training step (plain, or under ``gt.dp_sgd`` with ``clipping``) that returns the
+    seconds of its forward (with the loss), its backward and its ``optimizer.step()`` (with
+    ``zero_grad``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if clipping is not None:
+        gt.dp_sgd(model, opt, max_grad_norm=C, sample_rate=0.01, dataset_size=100 * len(x),
+                  noise_multiplier=SIGMA, accountant="rdp", clipping=clipping)  # type: ignore[arg-type]
+
+    def step() -> tuple[float, float, float]:
+        t0 = clock()
+        out = loss(model(x), y)
+        t1 = clock()
+        out.backward()
+        t2 = clock()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return t1 - t0, t2 - t1, clock() - t2
+
+    return step
+
+
+def parts(clock: Callable[[], float], quick: bool = False) -> str:
+    """Where a step's time goes (``--parts``): the median over interleaved rounds of each
+    phase of the plain step and of ``gt.dp_sgd``'s, flat and per-layer, per model."""
+    rows = []
+    rounds = 1 if quick else 11
+    for label, build in _builders(quick).items():
+        model, x, y = build()
+        steps = {name: _phases(copy.deepcopy(model), x, y, clipping, clock)
+                 for name, clipping in (("plain", None), ("gt.dp_sgd", "flat"),
+                                        ("gt.dp_sgd per_layer", "per_layer"))}
+        for step in steps.values():
+            for _ in range(3):
+                step()
+        times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(step())
+        for name, ts in times.items():
+            med = [statistics.median(t[i] for t in ts) * 1e3 for i in range(3)]
+            rows.append([label, name, *(f"{m:.1f} ms" for m in med), f"{sum(med):.1f} ms"])
+    print(f"{machine()}; {'cpu' if clock is time.process_time else 'wall'} clock; median of "
+          f"{rounds} interleaved rounds per phase")
+    table = markdown_table(["model", "step", "forward + loss", "backward",
+                            "optimizer.step + zero_grad", "sum"], rows, align="llrrrr")
+    print(table)
+    return table
+
+
 def _missing() -> dict[str, str]:
     """The variants whose package is not installed (Opacus comes with ``make bench``), and why."""
     if importlib.util.find_spec("opacus") is None:
@@ -215,6 +270,7 @@ def _builders(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Te
                 "CNN, batch 4": lambda: group_norm_cnn(batch=4)}
     return {"transformer (_models.transformer), batch 32": lambda: _models.transformer(batch=32),
             "causal LM (CausalLM), batch 16": causal_lm,
+            "causal LM (CausalLM, width 512), batch 16": lambda: causal_lm(dim=512),
             "CNN (small_cnn with GroupNorm), batch 64": group_norm_cnn}
 
 
@@ -239,12 +295,17 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="this process's CPU time (default) or wall time")
+    parser.add_argument("--parts", action="store_true",
+                        help="where the time goes: forward, backward and optimizer step of the "
+                             "plain and private steps, per model")
     parser.add_argument("--memory", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory:
         print(json.dumps(_memory(*args.memory, quick=False)))
         return ""
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.parts:
+        return parts(clock, args.quick)
     rounds = 1 if args.quick else 11
     rows = []
     missing = _missing()

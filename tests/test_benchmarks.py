@@ -242,6 +242,17 @@ def test_spike_signal_quick(capsys):
     assert "| 20 | 300 |" in capsys.readouterr().out
 
 
+def test_privacy_parts_quick():
+    # --parts: each model's plain and private steps, timed per phase; the sum is the phases'.
+    table = importlib.import_module("privacy").main(["--quick", "--parts"])
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["plain", "gt.dp_sgd", "gt.dp_sgd per_layer"] * 3
+    for r in rows:
+        phases = [float(v.removesuffix(" ms")) for v in r[2:]]
+        assert all(v > 0 for v in phases)
+        assert abs(sum(phases[:3]) - phases[3]) <= 0.15  # each printed to 0.1 ms
+
+
 def test_privacy_quick(capsys):
     table = importlib.import_module("privacy").main(["--quick"])
     rows = [line for line in table.splitlines()[2:]]
