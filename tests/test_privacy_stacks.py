@@ -219,3 +219,54 @@ def test_two_weighted_backwards_over_one_forward_add_up_per_sample(kind: str) ->
         (0.7 * F.cross_entropy(out, y)).backward()
         opt.step()
     _delta_check(model, before, _oracle_sum(grads, _trainable(ref), c, "flat"))
+
+
+class _SeqFirst(nn.Module):
+    """A sequence-first classifier: tokens ``[T, B]`` through an Embedding, a
+    ``batch_first=False`` encoder layer (or GRU, whose per-sample gradients come from a
+    replay), a LayerNorm and a Linear head at every position, then the mean over positions
+    (every layer sees the samples at dim 1, as ``batch_dim`` says)."""
+
+    def __init__(self, core: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.core = (nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0) if core == "attention"
+                     else nn.GRU(8, 8))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.core(self.emb(tokens))
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(self.norm(h)).mean(0)
+
+
+@pytest.mark.filterwarnings("ignore:.*replay")
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("core", ["attention", "gru"])
+def test_a_sequence_first_model_with_batch_dim_1(core: str, clipping: str) -> None:
+    torch.manual_seed(0)
+    model = _SeqFirst(core).double()
+    ref = copy.deepcopy(model)
+    tokens, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 3, (7,))  # T=5, B=7
+    params = _trainable(ref)
+    grads = [list(torch.autograd.grad(F.cross_entropy(ref(tokens[:, i:i + 1]), y[i:i + 1]),
+                                      params)) for i in range(7)]
+    c = _bound(grads)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(_trainable(model), lr=LR)
+    with gt.dp_sgd(model, opt, max_grad_norm=c, sample_rate=Q, dataset_size=N_DATA,
+                   noise_multiplier=0.0, clipping=clipping, batch_dim=1):  # type: ignore[arg-type]
+        F.cross_entropy(model(tokens), y).backward()
+        opt.step()
+    _delta_check(model, before, _oracle_sum(grads, params, c, clipping))
+    assert_no_hooks(model)
+
+
+def test_a_sequence_first_model_without_batch_dim_says_which() -> None:
+    model = _SeqFirst("attention")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=r"'core.self_attn' \(MultiheadAttention\) takes "
+                                         r"inputs with the sample dim at 1; use batch_dim=1"):
+        gt.dp_sgd(model, opt, max_grad_norm=1.0, sample_rate=Q, dataset_size=N_DATA,
+                  noise_multiplier=1.0)

@@ -108,12 +108,13 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"not the model's: they would be stepped without clipping or noise")
 
 
-def _engine(model: nn.Module, loss_reduction: LossReduction, book: Book) -> PerSample:
+def _engine(model: nn.Module, loss_reduction: LossReduction, book: Book,
+            batch_dim: int) -> PerSample:
     # own_grad: autograd skips the batch weight gradients the private step replaces; the
     # book: the clipped sums from closed forms (per layer: formed already in backward).
     try:
         return PerSample(model, "*", loss_reduction=loss_reduction, quantities=("grad",),
-                         own_grad=True, book=book)
+                         own_grad=True, book=book, batch_dim=batch_dim)
     except ValueError as err:
         if "another open" not in str(err):
             raise
@@ -140,7 +141,7 @@ class DPSGD:
                  accountant: str = "prv", clipping: Clipping = "flat",
                  loss_reduction: LossReduction = "mean",
                  generator: torch.Generator | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, batch_dim: int = 0) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dp_sgd: model must be an nn.Module, got {type(model).__name__}")
         self.max_grad_norm = check_number("max_grad_norm", max_grad_norm, 0.0, math.inf,
@@ -181,7 +182,7 @@ class DPSGD:
             bound = self.max_grad_norm / math.sqrt(len(params))
             book = Book(None if clipping == "flat" else
                         lambda _q, sq: self._layer_coefficients(bound, sq))
-            self._ps = _engine(model, loss_reduction, book)
+            self._ps = _engine(model, loss_reduction, book, batch_dim)
         except BaseException:
             self.detach()
             raise
@@ -317,7 +318,7 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
            steps: int | None = None, accountant: str = "prv", clipping: Clipping = "flat",
            loss_reduction: LossReduction = "mean",
            generator: torch.Generator | None = None,
-           scaler: torch.amp.GradScaler | None = None) -> DPSGD:
+           scaler: torch.amp.GradScaler | None = None, batch_dim: int = 0) -> DPSGD:
     """Train ``model`` with DP-SGD: from now on each ``optimizer.step()`` is private.
 
     Right before each step, every trainable parameter's ``.grad`` becomes::
@@ -360,6 +361,10 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
             under DDP only rank 0's draws).
         scaler: the ``torch.amp.GradScaler`` whose ``scaler.step(optimizer)`` steps the
             optimizer, if any.
+        batch_dim: the dim of the model's inputs (and of every layer's) that indexes the
+            samples, as :func:`gradtap.per_sample` takes it: ``1`` for a sequence-first
+            model (``[T, B, ...]`` inputs, ``batch_first=False`` attention and recurrent
+            layers).
 
     Returns:
         A :class:`DPSGD`: ``dp.epsilon(delta)``, ``dp.steps``, ``dp.noise_multiplier``;
@@ -396,4 +401,4 @@ def dp_sgd(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm:
                  dataset_size=dataset_size, noise_multiplier=noise_multiplier,
                  target_epsilon=target_epsilon, target_delta=target_delta, steps=steps,
                  accountant=accountant, clipping=clipping, loss_reduction=loss_reduction,
-                 generator=generator, scaler=scaler)
+                 generator=generator, scaler=scaler, batch_dim=batch_dim)
