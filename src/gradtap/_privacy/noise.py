@@ -1,6 +1,5 @@
 """The Gaussian noise of a DP-SGD step: :func:`gaussian_noise` (:func:`add_gaussian_noise_` adds
-it in place), and :func:`shared_generator`
-for drawing it once for a whole distributed job.
+it in place), and :func:`shared_generator` for drawing it once for a whole distributed job.
 
 Under DDP every rank holds the same all-reduced clipped sum, and the job must add one draw of
 noise to it, not one per rank (independent draws on ``W`` ranks would average to noise of
