@@ -125,11 +125,17 @@ def _plain(model: nn.Module, x: Tensor, y: Tensor) -> Step:
     return step
 
 
+def _private(model: nn.Module, batch: int, clipping: str) -> torch.optim.Optimizer:
+    """SGD over ``model`` under ``gt.dp_sgd`` (bound ``C``, noise ``SIGMA``, ``q = 0.01``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    gt.dp_sgd(model, opt, max_grad_norm=C, sample_rate=0.01, dataset_size=100 * batch,
+              noise_multiplier=SIGMA, accountant="rdp", clipping=clipping)  # type: ignore[arg-type]
+    return opt
+
+
 def _gradtap(clipping: str) -> Callable[[nn.Module, Tensor, Tensor], Step]:
     def make(model: nn.Module, x: Tensor, y: Tensor) -> Step:
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        gt.dp_sgd(model, opt, max_grad_norm=C, sample_rate=0.01, dataset_size=100 * len(x),
-                  noise_multiplier=SIGMA, accountant="rdp", clipping=clipping)  # type: ignore[arg-type]
+        opt = _private(model, len(x), clipping)
 
         def step() -> None:
             loss(model(x), y).backward()
@@ -198,10 +204,8 @@ def _phases(model: nn.Module, x: Tensor, y: Tensor, clipping: str | None,
     """A training step (plain, or under ``gt.dp_sgd`` with ``clipping``) that returns the
     seconds of its forward (with the loss), its backward and its ``optimizer.step()`` (with
     ``zero_grad``)."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    if clipping is not None:
-        gt.dp_sgd(model, opt, max_grad_norm=C, sample_rate=0.01, dataset_size=100 * len(x),
-                  noise_multiplier=SIGMA, accountant="rdp", clipping=clipping)  # type: ignore[arg-type]
+    opt = (torch.optim.SGD(model.parameters(), lr=LR) if clipping is None
+           else _private(model, len(x), clipping))
 
     def step() -> tuple[float, float, float]:
         t0 = clock()
